@@ -1,0 +1,119 @@
+"""The ``specdec`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from specdec.sampling import SamplingParams
+
+
+def _demo_pair() -> tuple[str, str]:
+    from specdec.demo import build_demo_models, demo_paths
+
+    build_demo_models()  # returns at once when the cache is complete
+    paths = demo_paths()
+    return str(paths["target"]), str(paths["draft"])
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from specdec.config import ModelConfig, SpeculationConfig
+    from specdec.engine import Engine
+
+    target, draft = args.target, args.draft
+    if target is None:
+        target, demo_draft = _demo_pair()
+        draft = draft or demo_draft
+    engine = Engine(
+        ModelConfig(target=target, draft=draft, dtype=args.dtype, draft_dtype=args.draft_dtype),
+        SpeculationConfig(mode=args.mode, num_speculative_tokens=args.k),
+    )
+    if args.chat:
+        prompt_ids = engine.encode(messages=[{"role": "user", "content": args.prompt}])
+    else:
+        prompt_ids = engine.encode(prompt=args.prompt)
+    params = SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
+    )
+    result = engine.generate(
+        prompt_ids, max_tokens=args.max_tokens, params=params, stop=args.stop, mode=args.mode, k=args.k
+    )
+    spec = result.speculation
+    if args.json:
+        out = {
+            "text": result.text,
+            "token_ids": result.token_ids,
+            "finish_reason": result.finish_reason,
+            "prompt_tokens": result.prompt_tokens,
+            "speculation": spec.to_dict(),
+            "ttft_s": result.ttft_s,
+            "total_s": result.total_s,
+            "tokens_per_s": result.tokens_per_s,
+            "rounds": [vars(r) for r in result.rounds],
+        }
+        print(json.dumps(out, indent=2))
+        return 0
+    print(result.text)
+    print(
+        f"\n[{spec.mode}] {len(result.token_ids)} tokens in {result.total_s:.2f}s "
+        f"({result.tokens_per_s:.1f} tok/s, TTFT {result.ttft_s * 1000:.0f} ms), "
+        f"finish={result.finish_reason}; rounds={spec.rounds} drafted={spec.drafted_tokens} "
+        f"accepted={spec.accepted_tokens} acceptance={spec.acceptance_rate:.2f} "
+        f"mean_accepted_length={spec.mean_accepted_length:.2f}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def cmd_demo_models(args: argparse.Namespace) -> int:
+    from specdec.demo import build_demo_models
+
+    path = build_demo_models(force=args.force, seed=args.seed)
+    print(path)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdec", description="Exact speculative decoding.")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text in process")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--target", help="target model path or id (default: the demo target)")
+    gen.add_argument("--draft", help="draft model path or id (default: the demo draft)")
+    gen.add_argument("--mode", default="auto", choices=["auto", "draft", "ngram", "off"])
+    gen.add_argument("--k", type=int, default=4, help="draft tokens per round")
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
+    gen.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    gen.add_argument("--draft-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    gen.add_argument("--json", action="store_true", help="print text, token ids and statistics")
+    gen.set_defaults(func=cmd_generate)
+
+    demo = sub.add_parser("demo-models", help="build the demo target/draft pair (cached)")
+    demo.add_argument("--force", action="store_true", help="rebuild even if cached")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.set_defaults(func=cmd_demo_models)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
+    try:
+        return args.func(args)
+    except ValueError as exc:
+        print(f"specdec: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

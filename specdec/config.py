@@ -1,0 +1,50 @@
+"""Typed configuration, validated once at the edge. Unknown keys are an error."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Mode = Literal["auto", "draft", "ngram", "off"]
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Strict):
+    target: str = Field(description="Target model: a Hugging Face id or a local path.")
+    draft: str | None = Field(
+        None, description="Draft model with the target's tokenizer; None disables mode 'draft'."
+    )
+    served_model_name: str | None = Field(
+        None, description="The name clients send as `model`; defaults to the target's path."
+    )
+    dtype: DType = Field(
+        "bfloat16",
+        description="Target dtype. bf16 is 1.45x faster than fp32 on these CPUs, but a (k+1)-token "
+        "pass and single steps round differently: greedy output can differ at near-ties. "
+        "float32 makes speculative greedy output token-identical to plain decoding.",
+    )
+    draft_dtype: DType = Field("float32", description="Draft dtype (small drafts are fast in fp32).")
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or self.target
+
+
+class SpeculationConfig(_Strict):
+    mode: Mode = Field("auto", description="Default mode; a request may ask for another.")
+    num_speculative_tokens: int = Field(
+        4, ge=1, le=32, description="k: more drafts pay when acceptance is high, cost when it is low."
+    )
+    ngram_min: int = Field(1, ge=1, description="Shortest suffix prompt lookup matches.")
+    ngram_max: int = Field(4, ge=1, description="Longest suffix tried first (more specific).")
+
+    @model_validator(mode="after")
+    def _ngram_range(self) -> "SpeculationConfig":
+        if self.ngram_min > self.ngram_max:
+            raise ValueError("ngram_min must be <= ngram_max")
+        return self

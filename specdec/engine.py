@@ -1,0 +1,159 @@
+"""An in-process engine: tokenizer, target, drafters and the decoding loop together.
+
+Used by the CLI and by a serving unit that loads its models in process. Text handling
+(chat templates, stop strings, streaming deltas) lives here; the loop in ``decoding`` sees
+only token ids.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from specdec.config import ModelConfig, SpeculationConfig
+from specdec.decoding import DecodeRequest, LocalTarget, RoundStats, decode
+from specdec.drafters.base import Drafter
+from specdec.drafters.model import ModelDrafter, check_same_vocabulary
+from specdec.drafters.ngram import NgramDrafter
+from specdec.runner import ModelRunner, load_model, load_tokenizer
+from specdec.sampling import SamplingParams
+from specdec.stats import SpeculationSummary
+from specdec.text import TextStream
+
+
+@dataclass
+class Event:
+    """One round's output as text and ids; ``finish_reason`` is set on the last event."""
+
+    text: str
+    token_ids: list[int]
+    stats: RoundStats
+    finish_reason: str | None = None
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    speculation: SpeculationSummary
+    rounds: list[RoundStats] = field(default_factory=list)
+    ttft_s: float = 0.0
+    total_s: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.token_ids) / self.total_s if self.total_s else 0.0
+
+
+def eos_token_ids(tokenizer, model) -> frozenset[int]:
+    """EOS ids from the tokenizer and the model's generation config (which may list several)."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if gen_eos is not None:
+        ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+    return frozenset(ids)
+
+
+class Engine:
+    def __init__(self, models: ModelConfig, speculation: SpeculationConfig | None = None):
+        self.models = models
+        self.speculation = speculation or SpeculationConfig()
+        self.tokenizer = load_tokenizer(models.target)
+        target_model = load_model(models.target, models.dtype)
+        self.target = LocalTarget(ModelRunner(target_model))
+        self.eos_token_ids = eos_token_ids(self.tokenizer, target_model)
+        self.drafters: dict[str, Drafter] = {
+            "ngram": NgramDrafter(self.speculation.ngram_min, self.speculation.ngram_max)
+        }
+        if models.draft:
+            check_same_vocabulary(self.tokenizer, load_tokenizer(models.draft))
+            self.drafters["draft"] = ModelDrafter(ModelRunner(load_model(models.draft, models.draft_dtype)))
+
+    @property
+    def max_length(self) -> int | None:
+        return self.target.max_length
+
+    def resolve_mode(self, mode: str | None) -> str:
+        """The mode a request runs in. ``auto`` prefers the draft model when there is one."""
+        mode = mode or self.speculation.mode
+        if mode == "auto":
+            return "draft" if "draft" in self.drafters else "ngram"
+        if mode != "off" and mode not in self.drafters:
+            raise ValueError(f"speculation mode {mode!r} is not available (no draft model configured)")
+        return mode
+
+    def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
+        """Prompt ids from plain text or from chat messages (the tokenizer's chat template)."""
+        if messages is not None:
+            return list(
+                self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=True, return_dict=True
+                )["input_ids"]
+            )
+        if prompt is None:
+            raise ValueError("either prompt or messages is required")
+        return self.tokenizer(prompt)["input_ids"]
+
+    def stream(
+        self,
+        prompt_ids: list[int],
+        *,
+        max_tokens: int,
+        params: SamplingParams = SamplingParams(),
+        stop: list[str] | None = None,
+        mode: str | None = None,
+        k: int | None = None,
+        request_id: str | None = None,
+    ) -> Iterator[Event]:
+        mode = self.resolve_mode(mode)
+        drafter = None if mode == "off" else self.drafters[mode]
+        request = DecodeRequest(
+            prompt_ids=list(prompt_ids),
+            max_tokens=max_tokens,
+            params=params,
+            eos_token_ids=self.eos_token_ids,
+            seq_id=request_id or uuid.uuid4().hex,
+        )
+        text = TextStream(self.tokenizer, stop=list(stop or []))
+        steps = decode(self.target, drafter, request, k=k or self.speculation.num_speculative_tokens)
+        try:
+            for step in steps:
+                delta, kept = text.add(step.tokens)
+                finish = "stop" if text.stopped else step.finish_reason
+                if finish:
+                    delta += text.finish()
+                yield Event(text=delta, token_ids=kept, stats=step.stats, finish_reason=finish)
+                if finish:
+                    return
+        finally:
+            steps.close()  # releases the caches, also when the consumer stops early
+
+    def generate(self, prompt_ids: list[int], **kwargs) -> Completion:
+        mode = self.resolve_mode(kwargs.get("mode"))
+        start = time.perf_counter()
+        ttft = 0.0
+        texts, ids, rounds = [], [], []
+        finish = "length"
+        for event in self.stream(prompt_ids, **kwargs):
+            if not rounds:
+                ttft = time.perf_counter() - start
+            texts.append(event.text)
+            ids.extend(event.token_ids)
+            rounds.append(event.stats)
+            finish = event.finish_reason or finish
+        return Completion(
+            text="".join(texts),
+            token_ids=ids,
+            finish_reason=finish,
+            prompt_tokens=len(prompt_ids),
+            speculation=SpeculationSummary.from_rounds(mode, rounds),
+            rounds=rounds,
+            ttft_s=ttft,
+            total_s=time.perf_counter() - start,
+        )

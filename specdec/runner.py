@@ -1,0 +1,133 @@
+"""A model runner for any Hugging Face causal LM, with one KV cache per sequence.
+
+The caller owns the truth (the token ids of each sequence); the runner owns caches. Every
+``forward`` reconciles the sequence's cache with the ids it is given: keep the longest
+common prefix, crop the rest, feed the missing tokens. Rejection rollback, a restarted worker
+and a failover are therefore one code path, and ``rollback`` is the one place a cache shrinks.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# A project-built draft (reduced output vocabulary) carries this marker and its own loader.
+SPECDEC_DRAFT_MARKER = "specdec_draft.json"
+
+
+def load_model(name_or_path: str, dtype: str = "float32") -> torch.nn.Module:
+    """Load a causal LM from a local path or a hub id, in eval mode."""
+    torch_dtype = DTYPES[dtype]
+    if (Path(name_or_path) / SPECDEC_DRAFT_MARKER).exists():
+        from specdec.demo.draft_model import load_draft
+
+        model = load_draft(name_or_path, dtype=torch_dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype)
+    return model.eval()
+
+
+def load_tokenizer(name_or_path: str):
+    return AutoTokenizer.from_pretrained(name_or_path)
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the usual case: one extends the other
+        return n
+    i = 0
+    while a[i] == b[i]:
+        i += 1
+    return i
+
+
+@dataclass
+class SequenceCache:
+    """A KV cache and the ids it holds, position for position."""
+
+    cache: DynamicCache
+    ids: list[int] = field(default_factory=list)
+
+
+class ModelRunner:
+    """Runs one model over many sequences, each with its own KV cache (batch size 1)."""
+
+    def __init__(self, model: torch.nn.Module, *, max_sequences: int = 64):
+        self.model = model
+        self.max_sequences = max_sequences
+        self._seqs: OrderedDict[str, SequenceCache] = OrderedDict()
+        params = inspect.signature(model.forward).parameters
+        self._logits_to_keep = "logits_to_keep" in params
+        # transformers 5.24 renamed past_key_values to cache; older models keep the old name.
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    @property
+    def max_length(self) -> int | None:
+        cfg = self.model.config
+        return getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+
+    def _seq(self, seq_id: str) -> SequenceCache:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            seq = SequenceCache(cache=DynamicCache(config=self.model.config))
+            self._seqs[seq_id] = seq
+            while len(self._seqs) > self.max_sequences:  # evict the least recently used
+                evicted, _ = self._seqs.popitem(last=False)
+                log.warning("evicted the KV cache of %s (max_sequences=%d)", evicted, self.max_sequences)
+        else:
+            self._seqs.move_to_end(seq_id)
+        return seq
+
+    def cached_len(self, seq_id: str) -> int:
+        seq = self._seqs.get(seq_id)
+        return len(seq.ids) if seq else 0
+
+    def rollback(self, seq_id: str, length: int) -> None:
+        """Crop the sequence's cache to its first ``length`` tokens (rejected drafts go)."""
+        seq = self._seqs.get(seq_id)
+        if seq is None or length >= len(seq.ids):
+            return
+        if length <= 0:
+            seq.cache, seq.ids = DynamicCache(config=self.model.config), []
+            return
+        # transformers 5.24: crop(-n) removes n tokens; a positive argument raises.
+        seq.cache.crop(length - len(seq.ids))
+        del seq.ids[length:]
+
+    def release(self, seq_id: str) -> None:
+        self._seqs.pop(seq_id, None)
+
+    @torch.inference_mode()
+    def forward(self, seq_id: str, ids: list[int], num_logits: int = 1) -> torch.Tensor:
+        """Logits [num_logits, vocab] (float32) for the last ``num_logits`` positions of ``ids``.
+
+        Reconciles the cache with ``ids`` first: the longest common prefix stays (up to the
+        positions whose logits are asked for, which are recomputed), the rest is cropped,
+        the missing tokens are fed in one pass. Afterwards the cache holds all of ``ids``.
+        """
+        assert 1 <= num_logits <= len(ids), (num_logits, len(ids))
+        seq = self._seq(seq_id)
+        keep = min(common_prefix_len(seq.ids, ids), len(ids) - num_logits)
+        self.rollback(seq_id, keep)
+        new = ids[keep:]
+        kwargs = {self._cache_kw: seq.cache}
+        if self._logits_to_keep:  # no LM head over the earlier positions of a long prompt
+            kwargs["logits_to_keep"] = num_logits
+        # The DynamicCache grows in place.
+        out = self.model(input_ids=torch.tensor([new], dtype=torch.long), use_cache=True, **kwargs)
+        seq.ids.extend(new)
+        return out.logits[0, -num_logits:].float()

@@ -1,0 +1,46 @@
+"""Per-request speculation statistics: data first, exported elsewhere.
+
+Definitions (over the rounds after prefill):
+- ``drafted_tokens``: draft tokens proposed; ``accepted_tokens``: of those, kept.
+- ``acceptance_rate`` = accepted / drafted (0 when nothing was drafted).
+- ``mean_accepted_length``: tokens one target pass produced, on average: accepted + 1 per
+  round (the recovered or bonus token included); 1.0 for plain decoding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from specdec.decoding import RoundStats
+
+
+@dataclass(frozen=True)
+class SpeculationSummary:
+    mode: str
+    rounds: int
+    drafted_tokens: int
+    accepted_tokens: int
+    acceptance_rate: float
+    mean_accepted_length: float
+    draft_s: float
+    verify_s: float
+
+    @classmethod
+    def from_rounds(cls, mode: str, rounds: list[RoundStats]) -> "SpeculationSummary":
+        decode_rounds = [r for r in rounds if r.mode != "prefill"]
+        drafted = sum(r.drafted for r in decode_rounds)
+        accepted = sum(r.accepted for r in decode_rounds)
+        n = len(decode_rounds)
+        return cls(
+            mode=mode,
+            rounds=n,
+            drafted_tokens=drafted,
+            accepted_tokens=accepted,
+            acceptance_rate=accepted / drafted if drafted else 0.0,
+            mean_accepted_length=(accepted + n) / n if n else 0.0,
+            draft_s=sum(r.draft_s for r in rounds),
+            verify_s=sum(r.verify_s for r in rounds),
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,35 @@
+from specdec.text import TextStream
+
+
+class CharTokenizer:
+    """ids are code points; decode joins them."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+def ids(s):
+    return [ord(c) for c in s]
+
+
+def test_stop_string_cuts_text_and_tokens():
+    ts = TextStream(CharTokenizer(), stop=["END"])
+    assert ts.add(ids("hello E")) == ("hello ", ids("hello E"))  # "E" held back
+    delta, kept = ts.add(ids("NDxyz"))
+    assert delta == "" and kept == ids("ND") and ts.stopped
+    assert ts.emitted == "hello "
+
+
+def test_held_back_prefix_is_released_when_it_is_not_a_stop():
+    ts = TextStream(CharTokenizer(), stop=["END"])
+    assert ts.add(ids("ab EN"))[0] == "ab "
+    assert ts.add(ids("x"))[0] == "ENx"
+    assert ts.add(ids("E"))[0] == ""
+    assert ts.finish() == "E"
+    assert ts.emitted == "ab ENxE"
+
+
+def test_without_stop_strings_everything_streams():
+    ts = TextStream(CharTokenizer())
+    assert ts.add(ids("abc"))[0] == "abc"
+    assert ts.finish() == ""
