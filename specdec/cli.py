@@ -26,7 +26,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if target is None:
         target, demo_draft = _demo_pair()
         draft = draft or demo_draft
-    engine = Engine(
+    engine = Engine.load(
         ModelConfig(target=target, draft=draft, dtype=args.dtype, draft_dtype=args.draft_dtype),
         SpeculationConfig(mode=args.mode, num_speculative_tokens=args.k),
     )
@@ -75,6 +75,12 @@ def cmd_demo_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from specdec.bench import run_from_args
+
+    return run_from_args(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec", description="Exact speculative decoding.")
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -102,6 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--force", action="store_true", help="rebuild even if cached")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=cmd_demo_models)
+
+    from specdec.bench.options import add_arguments as add_bench_arguments
+
+    bench = sub.add_parser("bench", help="benchmark speculation against plain decoding and transformers")
+    add_bench_arguments(bench)
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 

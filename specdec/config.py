@@ -29,6 +29,9 @@ class ModelConfig(_Strict):
         "float32 makes speculative greedy output token-identical to plain decoding.",
     )
     draft_dtype: DType = Field("float32", description="Draft dtype (small drafts are fast in fp32).")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where the models run; auto takes the GPU when there is one."
+    )
 
     @property
     def name(self) -> str:

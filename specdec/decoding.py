@@ -187,8 +187,8 @@ def decode(
             # 2-4. score k + 1 positions in one target pass, accept / reject, roll back
             verdict = target.verify(seq_id, ids, proposal, params, round_seed(seed, index, TARGET))
             t2 = time.perf_counter()
-            if drafter is not None and len(proposal):
-                drafter.observe(seq_id, len(proposal), verdict.num_accepted)
+            if verdict.num_drafted:
+                drafter.observe(seq_id, verdict.num_drafted, verdict.num_accepted)
             tokens = verdict.tokens[:remaining]
             finish = None
             for i, token in enumerate(tokens):
@@ -204,7 +204,7 @@ def decode(
                 index=index,
                 mode=mode,
                 k=kk,
-                drafted=len(proposal),
+                drafted=verdict.num_drafted,
                 accepted=verdict.num_accepted,
                 emitted=len(tokens),
                 draft_s=t1 - t0,

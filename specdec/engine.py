@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from specdec.config import ModelConfig, SpeculationConfig
-from specdec.decoding import DecodeRequest, LocalTarget, RoundStats, decode
+from specdec.decoding import DecodeRequest, LocalTarget, RoundStats, Target, decode
 from specdec.drafters.base import Drafter
 from specdec.drafters.model import ModelDrafter, check_same_vocabulary
 from specdec.drafters.ngram import NgramDrafter
@@ -61,19 +61,45 @@ def eos_token_ids(tokenizer, model) -> frozenset[int]:
 
 
 class Engine:
-    def __init__(self, models: ModelConfig, speculation: SpeculationConfig | None = None):
-        self.models = models
+    """Text in, tokens and text out, over any ``Target`` and set of drafters.
+
+    ``Engine.load`` puts the models in this process; a serving unit may pass remote ones.
+    """
+
+    def __init__(
+        self,
+        tokenizer,
+        target: Target,
+        drafters: dict[str, Drafter],
+        *,
+        eos_token_ids: frozenset[int],
+        speculation: SpeculationConfig | None = None,
+    ):
+        self.tokenizer = tokenizer
+        self.target = target
+        self.drafters = drafters
+        self.eos_token_ids = eos_token_ids
         self.speculation = speculation or SpeculationConfig()
-        self.tokenizer = load_tokenizer(models.target)
-        target_model = load_model(models.target, models.dtype)
-        self.target = LocalTarget(ModelRunner(target_model))
-        self.eos_token_ids = eos_token_ids(self.tokenizer, target_model)
-        self.drafters: dict[str, Drafter] = {
-            "ngram": NgramDrafter(self.speculation.ngram_min, self.speculation.ngram_max)
+
+    @classmethod
+    def load(cls, models: ModelConfig, speculation: SpeculationConfig | None = None) -> "Engine":
+        speculation = speculation or SpeculationConfig()
+        tokenizer = load_tokenizer(models.target)
+        target_model = load_model(models.target, models.dtype, models.device)
+        drafters: dict[str, Drafter] = {
+            "ngram": NgramDrafter(speculation.ngram_min, speculation.ngram_max)
         }
         if models.draft:
-            check_same_vocabulary(self.tokenizer, load_tokenizer(models.draft))
-            self.drafters["draft"] = ModelDrafter(ModelRunner(load_model(models.draft, models.draft_dtype)))
+            check_same_vocabulary(tokenizer, load_tokenizer(models.draft))
+            draft_model = load_model(models.draft, models.draft_dtype, models.device)
+            drafters["draft"] = ModelDrafter(ModelRunner(draft_model))
+        return cls(
+            tokenizer,
+            LocalTarget(ModelRunner(target_model)),
+            drafters,
+            eos_token_ids=eos_token_ids(tokenizer, target_model),
+            speculation=speculation,
+        )
 
     @property
     def max_length(self) -> int | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,8 +26,14 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 SPECDEC_DRAFT_MARKER = "specdec_draft.json"
 
 
-def load_model(name_or_path: str, dtype: str = "float32") -> torch.nn.Module:
-    """Load a causal LM from a local path or a hub id, in eval mode."""
+def resolve_device(device: str = "auto") -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def load_model(name_or_path: str, dtype: str = "float32", device: str = "cpu") -> torch.nn.Module:
+    """Load a causal LM from a local path or a hub id, in eval mode, on ``device``."""
     torch_dtype = DTYPES[dtype]
     if (Path(name_or_path) / SPECDEC_DRAFT_MARKER).exists():
         from specdec.demo.draft_model import load_draft
@@ -34,7 +41,7 @@ def load_model(name_or_path: str, dtype: str = "float32") -> torch.nn.Module:
         model = load_draft(name_or_path, dtype=torch_dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype)
-    return model.eval()
+    return model.to(resolve_device(device)).eval()
 
 
 def load_tokenizer(name_or_path: str):
@@ -60,10 +67,16 @@ class SequenceCache:
 
 
 class ModelRunner:
-    """Runs one model over many sequences, each with its own KV cache (batch size 1)."""
+    """Runs one model over many sequences, each with its own KV cache (batch size 1).
+
+    Thread-safe: one lock serialises the passes, so concurrent requests take turns rather
+    than oversubscribing the cores (batching across sequences is future work).
+    """
 
     def __init__(self, model: torch.nn.Module, *, max_sequences: int = 64):
         self.model = model
+        self.device = next(model.parameters()).device
+        self._lock = threading.RLock()
         self.max_sequences = max_sequences
         self._seqs: OrderedDict[str, SequenceCache] = OrderedDict()
         params = inspect.signature(model.forward).parameters
@@ -98,6 +111,10 @@ class ModelRunner:
 
     def rollback(self, seq_id: str, length: int) -> None:
         """Crop the sequence's cache to its first ``length`` tokens (rejected drafts go)."""
+        with self._lock:
+            self._rollback(seq_id, length)
+
+    def _rollback(self, seq_id: str, length: int) -> None:
         seq = self._seqs.get(seq_id)
         if seq is None or length >= len(seq.ids):
             return
@@ -109,7 +126,8 @@ class ModelRunner:
         del seq.ids[length:]
 
     def release(self, seq_id: str) -> None:
-        self._seqs.pop(seq_id, None)
+        with self._lock:
+            self._seqs.pop(seq_id, None)
 
     @torch.inference_mode()
     def forward(self, seq_id: str, ids: list[int], num_logits: int = 1) -> torch.Tensor:
@@ -120,14 +138,19 @@ class ModelRunner:
         the missing tokens are fed in one pass. Afterwards the cache holds all of ``ids``.
         """
         assert 1 <= num_logits <= len(ids), (num_logits, len(ids))
+        with self._lock:
+            return self._forward(seq_id, ids, num_logits)
+
+    def _forward(self, seq_id: str, ids: list[int], num_logits: int) -> torch.Tensor:
         seq = self._seq(seq_id)
         keep = min(common_prefix_len(seq.ids, ids), len(ids) - num_logits)
-        self.rollback(seq_id, keep)
+        self._rollback(seq_id, keep)
         new = ids[keep:]
         kwargs = {self._cache_kw: seq.cache}
         if self._logits_to_keep:  # no LM head over the earlier positions of a long prompt
             kwargs["logits_to_keep"] = num_logits
         # The DynamicCache grows in place.
-        out = self.model(input_ids=torch.tensor([new], dtype=torch.long), use_cache=True, **kwargs)
+        input_ids = torch.tensor([new], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=input_ids, use_cache=True, **kwargs)
         seq.ids.extend(new)
-        return out.logits[0, -num_logits:].float()
+        return out.logits[0, -num_logits:].float().cpu()  # verification runs on the CPU

@@ -131,7 +131,7 @@ def test_sampled_speculation_has_the_target_distribution(pair):
 
 def test_engine_text_stop_and_statistics(pair):
     paths = pair["paths"]
-    engine = Engine(
+    engine = Engine.load(
         ModelConfig(target=str(paths["target"]), draft=str(paths["draft"]), dtype="float32"),
         SpeculationConfig(mode="draft", num_speculative_tokens=3),
     )
@@ -156,4 +156,4 @@ def test_a_draft_with_another_vocabulary_is_refused(llama_pair, gpt2_pair, tmp_p
     model.save_pretrained(other)
     build_tokenizer(["completely different words here"] * 50, vocab_size=280).save_pretrained(other)
     with pytest.raises(ValueError, match="tokenizers differ"):
-        Engine(ModelConfig(target=str(llama_pair["target"]), draft=str(other), dtype="float32"))
+        Engine.load(ModelConfig(target=str(llama_pair["target"]), draft=str(other), dtype="float32"))

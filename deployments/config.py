@@ -1,0 +1,78 @@
+"""The application's arguments (``args:`` in serve_config.yaml), validated once.
+
+Unknown keys are an error: Ray Serve silently drops misspelled deployment keys, so we are
+strict where we can be.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from specdec.config import ModelConfig, SpeculationConfig
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class WorkerResources(_Strict):
+    """Logical resources of the unit's placement-group bundles (``colocation: actors``).
+
+    Bundle 0 is the router, 1 the target worker, 2 the draft worker; STRICT_PACK puts them on
+    one node. On a GPU node give the target and draft fractions of one GPU.
+    """
+
+    router_cpus: float = Field(0.1, ge=0, description="The router mostly waits on workers.")
+    target_cpus: float = Field(1.0, ge=0)
+    target_gpus: float = Field(0.0, ge=0, le=1)
+    draft_cpus: float = Field(0.5, ge=0)
+    draft_gpus: float = Field(0.0, ge=0, le=1)
+
+
+def resolve_models(models: ModelConfig) -> ModelConfig:
+    """Replace demo names by the demo pair's paths (at build time, not when linting)."""
+    return models.model_copy(
+        update={
+            "target": resolve_model_path(models.target),
+            "draft": resolve_model_path(models.draft),
+            "served_model_name": models.served_model_name
+            or ("SmolLM2-135M-Instruct" if models.target == "demo:target" else None),
+        }
+    )
+
+
+def resolve_model_path(name: str | None) -> str | None:
+    """``demo:target`` / ``demo:draft`` name the demo pair that ``specdec demo-models`` builds."""
+    if name is None or not name.startswith("demo:"):
+        return name
+    from specdec.demo import demo_paths
+
+    role = name.split(":", 1)[1]
+    paths = demo_paths()
+    if role not in ("target", "draft"):
+        raise ValueError(f"unknown demo model {name!r}: use demo:target or demo:draft")
+    if not (paths[role] / "config.json").exists() and not any(paths[role].glob("*.json")):
+        raise ValueError(f"{name} is not built yet: run `specdec demo-models` first")
+    return str(paths[role])
+
+
+class UnitArgs(_Strict):
+    models: ModelConfig
+    speculation: SpeculationConfig = SpeculationConfig()
+    colocation: Literal["actors", "in_process"] = Field(
+        "actors",
+        description="actors: target and draft in their own actors on the router's node (the GPU "
+        "default, isolates failures); in_process: both in the router (no hop per round; "
+        "for CPUs and small models).",
+    )
+    resources: WorkerResources = WorkerResources()
+    max_concurrent_requests: int = Field(16, ge=1, description="Loop threads per unit.")
+    max_num_speculative_tokens: int = Field(16, ge=1, description="Cap on a request's k.")
+
+
+class AppArgs(UnitArgs):
+    """``args:`` of the application: the unit's arguments plus the ingress's."""
+
+    ingress_cpus: float = Field(0.1, ge=0)

@@ -1,0 +1,191 @@
+"""Ingress: the OpenAI-style HTTP API (FastAPI), one streaming router call per request."""
+
+
+import json
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from deployments.protocol import ChatCompletionRequest, CompletionRequest, error_body
+
+app = FastAPI(title="specdec", description="Exact speculative decoding, OpenAI-style API")
+
+
+def _error(status: int, message: str, *, param: str | None = None, code: str | None = None) -> JSONResponse:
+    type_ = "invalid_request_error" if status < 500 else "server_error"
+    return JSONResponse(error_body(message, type_=type_, param=param, code=code), status_code=status)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "literal", "none"}
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0]
+    # Union members show up in the location as type tags ("str", "list[str]"): not fields.
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and str(p) not in _TYPE_TAGS and "[" not in str(p)]
+    if first.get("type") == "json_invalid":
+        return _error(400, "the request body is not valid JSON", code="invalid_json")
+    if loc == [] and first.get("type") in ("model_attributes_type", "dict_type"):
+        return _error(400, "the request body must be a JSON object", code="invalid_json")
+    param = ".".join(loc) or None
+    return _error(400, f"{param or 'body'}: {first.get('msg')}", param=param, code="invalid_value")
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    return _error(exc.status_code, str(exc.detail))
+
+
+def _sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
+
+
+class _Response:
+    """Assembles OpenAI completion / chat completion objects from the router's events."""
+
+    def __init__(self, request_id: str, model: str, chat: bool, return_token_ids: bool, start: dict):
+        self.id, self.model, self.chat = request_id, model, chat
+        self.return_token_ids = return_token_ids
+        self.created = int(time.time())
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        self.end: dict | None = None
+        self.error: dict | None = None
+        self.mode = start["mode"]
+
+    @property
+    def object(self) -> str:
+        return "chat.completion" if self.chat else "text_completion"
+
+    def add(self, event: dict) -> None:
+        if event["type"] == "delta":
+            self.text.append(event["text"])
+            self.token_ids.extend(event["token_ids"])
+        elif event["type"] == "end":
+            self.end = event
+        elif event["type"] == "error":
+            self.error = event
+
+    def _usage(self) -> dict:
+        p, c = self.end["prompt_tokens"], self.end["completion_tokens"]
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    def _finish(self) -> str:
+        reason = self.end["finish_reason"]
+        return reason if reason in ("stop", "length") else "stop"
+
+    def final(self) -> dict:
+        text = "".join(self.text)
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None}
+        choice["finish_reason"] = self._finish()
+        if self.return_token_ids:
+            choice["token_ids"] = self.token_ids
+        return {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": self._usage(),
+            "speculation": self.end["speculation"],
+        }
+
+    def _chunk(self, text: str, token_ids: list[int] | None, finish: str | None, first: bool = False) -> dict:
+        if self.chat:
+            delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        if self.return_token_ids and token_ids is not None:
+            choice["token_ids"] = token_ids
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
+
+    async def sse(self, events):
+        first = True
+        async for event in events:
+            self.add(event)
+            if event["type"] == "delta":
+                yield _sse(self._chunk(event["text"], event["token_ids"], None, first))
+                first = False
+            elif event["type"] == "error":
+                yield _sse(error_body(event["message"], type_="server_error"))
+        if self.end is not None:
+            last = self._chunk("", [], self._finish())
+            last["usage"] = self._usage()
+            last["speculation"] = self.end["speculation"]
+            yield _sse(last)
+        yield _sse("[DONE]")
+
+
+@serve.deployment(name="Ingress")
+@serve.ingress(app)
+class Ingress:
+    def __init__(self, router: DeploymentHandle, model_name: str):
+        self.router = router.options(stream=True)
+        self.model_name = model_name
+        self.created = int(time.time())
+
+    @app.get("/health")
+    async def health(self) -> dict:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models(self) -> dict:
+        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "specdec"}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(self, body: CompletionRequest):
+        return await self._serve(body, {"prompt": body.prompt}, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, body: ChatCompletionRequest):
+        messages = [{"role": m.role, "content": m.content} for m in body.messages]
+        return await self._serve(body, {"messages": messages}, chat=True)
+
+    async def _serve(self, body, inputs: dict, *, chat: bool):
+        if body.model != self.model_name:
+            return _error(404, f"the model '{body.model}' does not exist", param="model", code="model_not_found")
+        if refused := body.refuse_unsupported():
+            return _error(400, refused[1], param=refused[0], code="unsupported")
+        # Serve's request id (a client's x-request-id, or one the proxy made) is echoed in the
+        # x-request-id response header by Serve itself; our object ids carry it too.
+        serve_id = serve.context._get_serve_request_context().request_id or uuid.uuid4().hex
+        request_id = ("chatcmpl-" if chat else "cmpl-") + serve_id
+        req = {
+            **inputs,
+            "request_id": request_id,
+            "max_tokens": body.limit,
+            "temperature": body.temperature,
+            "top_p": body.top_p,
+            "top_k": body.top_k,
+            "seed": body.seed,
+            "stop": body.stop,
+            "speculation": body.speculation.model_dump() if body.speculation else None,
+        }
+        events = self.router.generate.remote(req)
+        first = await events.__anext__()
+        if first["type"] == "error":
+            return _error(first["status"], first["message"], param=first.get("param"))
+        headers = {"x-specdec-mode": first["mode"]}
+        response = _Response(request_id, self.model_name, chat, body.return_token_ids, first)
+        if body.stream:
+            return StreamingResponse(
+                response.sse(events), media_type="text/event-stream", headers=headers
+            )
+        async for event in events:
+            response.add(event)
+        if response.error:
+            return _error(500, response.error["message"])
+        return JSONResponse(response.final(), headers=headers)

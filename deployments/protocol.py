@@ -1,0 +1,91 @@
+"""The OpenAI-style request schemas and error objects of the HTTP API."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_validator
+
+
+class SpeculationOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    mode: Literal["auto", "draft", "ngram", "off"] | None = None
+    num_speculative_tokens: int | None = Field(None, ge=1, le=64)
+
+
+class _Common(BaseModel):
+    # Fields of the OpenAI API we do not act on (user, stream_options, ...) are accepted and
+    # ignored, as the official client may send them; the ones that would change the answer and
+    # that we do not support are refused below.
+    model_config = ConfigDict(extra="allow")
+
+    model: StrictStr
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)  # -1 or 0: no top-k filter (vLLM uses -1)
+    seed: int | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    stream: StrictBool = False
+    n: int = Field(1, ge=1, le=1, description="One choice per request.")
+    speculation: SpeculationOptions | None = None
+    return_token_ids: StrictBool = False
+
+    @field_validator("temperature", "top_p")
+    @classmethod
+    def _finite(cls, v: float) -> float:
+        if not math.isfinite(v):
+            raise ValueError("must be a finite number")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v):
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("at most 4 non-empty stop strings")
+        return stops
+
+    def refuse_unsupported(self) -> tuple[str, str] | None:
+        """(param, message) for an OpenAI option that would change the answer and we lack."""
+        extra = self.model_extra or {}
+        for name in ("logprobs", "top_logprobs", "echo", "best_of", "suffix", "tools", "logit_bias"):
+            value = extra.get(name)
+            if value not in (None, False, 0, 1 if name == "best_of" else None):
+                return name, f"'{name}' is not supported by this server"
+        return None
+
+    @property
+    def limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_Common):
+    prompt: StrictStr | list[StrictStr]
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v):
+        if isinstance(v, list):
+            if len(v) != 1:
+                raise ValueError("exactly one prompt per request")
+            v = v[0]
+        if not v:
+            raise ValueError("the prompt must not be empty")
+        return v
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: StrictStr
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+
+
+def error_body(message: str, *, type_: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}

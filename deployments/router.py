@@ -1,0 +1,200 @@
+"""SpecRouter: one replica is one unit of (router, target, draft) on one node.
+
+The router owns every request's token ids and runs the speculation loop
+(``specdec.decoding.decode`` through ``specdec.engine.Engine``). With
+``colocation: actors`` it starts a TargetWorker and a DraftWorker as child actors in its own
+STRICT_PACK placement group (bundles 1 and 2), so both land on its node; with
+``colocation: in_process`` it loads both models itself. The loop is synchronous and runs in
+a thread per request; its events are streamed back to the ingress.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import ray
+from ray import serve
+from ray.util.placement_group import get_current_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from deployments.config import UnitArgs
+from deployments.workers import DraftWorker, RemoteDrafter, RemoteTarget, TargetWorker
+from specdec.drafters.model import check_same_vocabulary
+from specdec.drafters.ngram import NgramDrafter
+from specdec.engine import Engine
+from specdec.runner import load_tokenizer
+from specdec.sampling import SamplingParams
+from specdec.stats import SpeculationSummary
+
+log = logging.getLogger("ray.serve")
+
+TARGET_BUNDLE, DRAFT_BUNDLE = 1, 2  # bundle 0 holds the router replica itself
+
+
+def _worker_options(bundle: int, num_cpus: float, num_gpus: float) -> dict:
+    pg = get_current_placement_group()
+    options = {"num_cpus": num_cpus, "num_gpus": num_gpus, "max_restarts": -1}
+    if pg is not None:
+        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+            placement_group=pg, placement_group_bundle_index=bundle
+        )
+    return options
+
+
+def build_engine(args: UnitArgs) -> tuple[Engine, dict]:
+    """The unit's engine, and the worker actors it uses (empty in process)."""
+    models, spec = args.models, args.speculation
+    if args.colocation == "in_process":
+        return Engine.load(models, spec), {}
+    tokenizer = load_tokenizer(models.target)
+    res = args.resources
+    target_actor = TargetWorker.options(
+        **_worker_options(TARGET_BUNDLE, res.target_cpus, res.target_gpus)
+    ).remote(models)
+    drafters = {"ngram": NgramDrafter(spec.ngram_min, spec.ngram_max)}
+    actors = {"target": target_actor}
+    if models.draft:
+        check_same_vocabulary(tokenizer, load_tokenizer(models.draft))
+        draft_actor = DraftWorker.options(
+            **_worker_options(DRAFT_BUNDLE, res.draft_cpus, res.draft_gpus)
+        ).remote(models)
+        ray.get(draft_actor.ready.remote())
+        drafters["draft"] = RemoteDrafter(draft_actor)
+        actors["draft"] = draft_actor
+    info = ray.get(target_actor.info.remote())
+    engine = Engine(
+        tokenizer,
+        RemoteTarget(target_actor, info["max_length"]),
+        drafters,
+        eos_token_ids=info["eos_token_ids"],
+        speculation=spec,
+    )
+    return engine, actors
+
+
+class RequestError(ValueError):
+    """A request the unit refuses; ``param`` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@serve.deployment(name="SpecRouter")
+class SpecRouter:
+    def __init__(self, args: dict):
+        self.args = UnitArgs.model_validate(args)
+        self.engine, self.actors = build_engine(self.args)
+        self._pool = ThreadPoolExecutor(max_workers=self.args.max_concurrent_requests)
+
+    def info(self) -> dict:
+        return {
+            "max_length": self.engine.max_length,
+            "modes": ["off", "auto", *self.engine.drafters],
+            "colocation": self.args.colocation,
+            "actors": {name: actor._actor_id.hex() for name, actor in self.actors.items()},
+        }
+
+    def _prepare(self, req: dict) -> tuple[list[int], dict]:
+        engine = self.engine
+        try:
+            mode = engine.resolve_mode((req.get("speculation") or {}).get("mode"))
+        except ValueError as exc:
+            raise RequestError(str(exc), "speculation.mode") from exc
+        try:
+            ids = engine.encode(prompt=req.get("prompt"), messages=req.get("messages"))
+        except Exception as exc:  # a chat template may reject a conversation
+            raise RequestError(f"could not encode the prompt: {exc}", "messages") from exc
+        limit = engine.max_length
+        max_tokens = req.get("max_tokens")
+        if max_tokens is None:  # as OpenAI: up to the context length
+            max_tokens = max(1, (limit or 16 + len(ids)) - len(ids))
+        if limit is not None and len(ids) + max_tokens > limit:
+            raise RequestError(
+                f"this model's context length is {limit} tokens; the prompt has {len(ids)} and "
+                f"max_tokens is {max_tokens}",
+                "max_tokens",
+            )
+        spec = req.get("speculation") or {}
+        k = spec.get("num_speculative_tokens")
+        kwargs = dict(
+            max_tokens=max_tokens,
+            params=SamplingParams(
+                temperature=req.get("temperature", 1.0),
+                top_k=max(0, req.get("top_k", 0)),
+                top_p=req.get("top_p", 1.0),
+                seed=req.get("seed"),
+            ),
+            stop=req.get("stop") or [],
+            mode=mode,
+            k=min(k, self.args.max_num_speculative_tokens) if k else None,
+            request_id=req.get("request_id") or uuid.uuid4().hex,
+        )
+        return ids, kwargs
+
+    def _run(self, req: dict, emit, cancelled: threading.Event) -> None:
+        """The loop, in a worker thread: emits a 'start' event, the rounds, then 'end'."""
+        try:
+            ids, kwargs = self._prepare(req)
+        except RequestError as exc:
+            emit({"type": "error", "status": 400, "message": str(exc), "param": exc.param})
+            return
+        emit({"type": "start", "prompt_tokens": len(ids), "mode": kwargs["mode"]})
+        rounds, finish, produced = [], None, 0
+        stream = self.engine.stream(ids, **kwargs)
+        try:
+            for event in stream:
+                rounds.append(event.stats)
+                produced += len(event.token_ids)
+                finish = event.finish_reason
+                emit({"type": "delta", "text": event.text, "token_ids": event.token_ids})
+                if cancelled.is_set():
+                    finish = "cancelled"
+                    break
+        finally:
+            stream.close()
+        summary = SpeculationSummary.from_rounds(kwargs["mode"], rounds)
+        emit(
+            {
+                "type": "end",
+                "finish_reason": finish,
+                "prompt_tokens": len(ids),
+                "completion_tokens": produced,
+                "speculation": summary.to_dict(),
+            }
+        )
+
+    async def generate(self, req: dict):
+        """Stream the request's events (dicts) to the ingress."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        cancelled = threading.Event()
+        done = object()
+
+        def work():
+            try:
+                self._run(req, lambda item: loop.call_soon_threadsafe(queue.put_nowait, item), cancelled)
+            except Exception as exc:  # never let a request take the replica down
+                log.exception("request failed")
+                loop.call_soon_threadsafe(
+                    queue.put_nowait,
+                    {"type": "error", "status": 500, "message": f"internal error: {type(exc).__name__}"},
+                )
+            finally:
+                loop.call_soon_threadsafe(queue.put_nowait, done)
+
+        loop.run_in_executor(self._pool, work)
+        try:
+            while (item := await queue.get()) is not done:
+                yield item
+        finally:
+            cancelled.set()  # the client went away, or we finished: stop the loop thread
+
+    def check_health(self) -> None:
+        for name, actor in self.actors.items():
+            if name == "target":
+                ray.get(actor.info.remote(), timeout=30)

@@ -1,0 +1,94 @@
+"""The unit's model workers: Ray actors the router starts in its own placement group.
+
+Each worker holds one model and a KV cache per request id; the router sends the full token
+ids on every call and the runner reconciles (DESIGN.md), so a restarted worker simply
+re-prefills. The draft's proposal (with its ``q`` rows when sampling) travels to the target
+as an object reference, straight from worker to worker, never through the router.
+"""
+
+from __future__ import annotations
+
+import ray
+
+from specdec.config import ModelConfig
+from specdec.decoding import verify_round
+from specdec.drafters.base import Proposal
+from specdec.drafters.model import ModelDrafter
+from specdec.engine import eos_token_ids
+from specdec.runner import ModelRunner, load_model, load_tokenizer
+from specdec.sampling import SamplingParams
+from specdec.verify import Verdict
+
+
+@ray.remote
+class TargetWorker:
+    def __init__(self, models: ModelConfig):
+        model = load_model(models.target, models.dtype, models.device)
+        self.runner = ModelRunner(model)
+        self._eos = eos_token_ids(load_tokenizer(models.target), model)
+
+    def info(self) -> dict:
+        return {"max_length": self.runner.max_length, "eos_token_ids": self._eos}
+
+    def verify(
+        self, seq_id: str, context: list[int], proposal: Proposal, params: SamplingParams, seed: int
+    ) -> Verdict:
+        return verify_round(self.runner, seq_id, context, proposal, params, seed)
+
+    def release(self, seq_id: str) -> None:
+        self.runner.release(seq_id)
+
+
+@ray.remote
+class DraftWorker:
+    def __init__(self, models: ModelConfig):
+        self.drafter = ModelDrafter(ModelRunner(load_model(models.draft, models.draft_dtype, models.device)))
+
+    def ready(self) -> bool:
+        return True
+
+    def propose(
+        self, seq_id: str, context: list[int], k: int, params: SamplingParams, seed: int
+    ) -> Proposal:
+        return self.drafter.propose(seq_id, context, k, params, seed)
+
+    def release(self, seq_id: str) -> None:
+        self.drafter.release(seq_id)
+
+
+class RemoteTarget:
+    """``specdec.decoding.Target`` over a TargetWorker actor (called from a router thread)."""
+
+    def __init__(self, actor, max_length: int | None):
+        self.actor = actor
+        self.max_length = max_length
+
+    def verify(self, seq_id, context, proposal, params, seed) -> Verdict:
+        # ``proposal`` may be an ObjectRef from the DraftWorker: Ray hands it to the target
+        # worker directly.
+        return ray.get(self.actor.verify.remote(seq_id, context, proposal, params, seed))
+
+    def release(self, seq_id: str) -> None:
+        self.actor.release.remote(seq_id)
+
+
+class RemoteDrafter:
+    """``specdec.drafters.base.Drafter`` over a DraftWorker actor.
+
+    ``propose`` returns the ObjectRef of the proposal without waiting for it: the target
+    worker resolves it, so a round costs the router one wait.
+    """
+
+    name = "draft"
+
+    def __init__(self, actor):
+        self.actor = actor
+
+    def propose(self, seq_id, context, k, params, seed):
+        return self.actor.propose.remote(seq_id, context, k, params, seed)
+
+    def observe(self, seq_id: str, proposed: int, accepted: int) -> None:
+        pass
+
+    def release(self, seq_id: str) -> None:
+        self.actor.release.remote(seq_id)

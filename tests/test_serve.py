@@ -1,0 +1,189 @@
+"""The Ray Serve application on a real local Ray: HTTP API, both colocation modes."""
+
+import asyncio
+import json
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import ray
+import yaml
+from ray import serve
+
+from deployments.app import build_app
+from deployments.lint import lint_serve_config
+from specdec.decoding import DecodeRequest, LocalTarget, decode
+from specdec.runner import ModelRunner, load_model, load_tokenizer
+
+PORT = 8123
+BASE = f"http://127.0.0.1:{PORT}"
+MODEL = "tiny"
+MODES = ["in_process", "actors"]
+PROMPTS = ["The cat sees", "My friend builds the old", "Def f1(x): return x +"]
+
+
+@pytest.fixture(scope="module")
+def server(llama_pair):
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+    for mode in MODES:
+        args = {
+            "models": {
+                "target": str(llama_pair["target"]),
+                "draft": str(llama_pair["draft"]),
+                "dtype": "float32",
+                "served_model_name": MODEL,
+            },
+            "colocation": mode,
+            "resources": {"target_cpus": 0.5, "draft_cpus": 0.25},
+        }
+        serve.run(build_app(args), name=mode, route_prefix=f"/{mode}")
+    yield llama_pair
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(server):
+    """Plain greedy decoding of the target, in process: what every mode must return."""
+    tok = load_tokenizer(str(server["target"]))
+    target = LocalTarget(ModelRunner(load_model(str(server["target"]))))
+    out = {}
+    for prompt in PROMPTS:
+        ids = tok(prompt)["input_ids"]
+        steps = decode(target, None, DecodeRequest(ids, 32, seq_id=prompt))
+        out[prompt] = [t for s in steps for t in s.tokens]
+    return out
+
+
+def completion(colocation, **body):
+    body = {"model": MODEL, "max_tokens": 32, "temperature": 0, "return_token_ids": True, **body}
+    return httpx.post(f"{BASE}/{colocation}/v1/completions", json=body, timeout=120)
+
+
+def sse_events(text: str) -> list:
+    lines = [line[len("data: ") :] for line in text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+@pytest.mark.parametrize("colocation", MODES)
+@pytest.mark.parametrize("mode", ["off", "draft", "ngram"])
+def test_greedy_over_http_equals_plain_decoding(server, reference, colocation, mode):
+    for prompt in PROMPTS:
+        r = completion(colocation, prompt=prompt, speculation={"mode": mode, "num_speculative_tokens": 3})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["choices"][0]["token_ids"] == reference[prompt]
+        assert r.headers["x-specdec-mode"] == mode and body["id"].endswith(r.headers["x-request-id"])
+        spec = body["speculation"]
+        assert spec["mode"] == mode and body["usage"]["completion_tokens"] == 32
+        if mode != "off":
+            assert spec["drafted_tokens"] > 0
+            assert spec["acceptance_rate"] == pytest.approx(spec["accepted_tokens"] / spec["drafted_tokens"])
+        # Streaming gives the same tokens, and the last chunk carries usage and speculation.
+        r = completion(colocation, prompt=prompt, stream=True, speculation={"mode": mode})
+        chunks = sse_events(r.text)
+        assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == reference[prompt]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert chunks[-1]["usage"]["completion_tokens"] == 32 and chunks[-1]["speculation"]["mode"] == mode
+
+
+@pytest.mark.parametrize("colocation", MODES)
+def test_concurrent_streams_complete_correctly(server, reference, colocation):
+    async def one(client, prompt, mode):
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 32, "temperature": 0, "stream": True,
+                "return_token_ids": True, "speculation": {"mode": mode}}
+        r = await client.post(f"{BASE}/{colocation}/v1/completions", json=body)
+        return prompt, [t for c in sse_events(r.text) for t in c["choices"][0]["token_ids"]]
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as client:
+            jobs = [one(client, PROMPTS[i % 3], ["draft", "ngram", "off", "draft"][i]) for i in range(4)]
+            return await asyncio.gather(*jobs)
+
+    for prompt, tokens in asyncio.run(main()):
+        assert tokens == reference[prompt]
+
+
+@pytest.mark.parametrize("colocation", MODES)
+def test_openai_client_works_unchanged(server, colocation):
+    client = openai.OpenAI(base_url=f"{BASE}/{colocation}/v1", api_key="unused")
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    r = client.completions.create(model=MODEL, prompt="The cat sees", max_tokens=8, temperature=0)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 8
+    text = "".join(
+        c.choices[0].text
+        for c in client.completions.create(model=MODEL, prompt="The cat sees", max_tokens=8, temperature=0, stream=True)
+    )
+    assert text == r.choices[0].text
+    messages = [{"role": "user", "content": "Say something about the cat."}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 8
+    streamed = "".join(
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0, stream=True)
+    )
+    assert streamed == chat.choices[0].message.content
+
+
+def test_stop_strings_and_seeded_sampling(server):
+    full = completion("in_process", prompt="The cat sees", max_tokens=24).json()["choices"][0]["text"]
+    stop = full[8:11]
+    r = completion("in_process", prompt="The cat sees", max_tokens=24, stop=[stop]).json()
+    assert r["choices"][0]["text"] == full[: full.index(stop)] and r["choices"][0]["finish_reason"] == "stop"
+    sampled = [
+        completion(colocation, prompt="The cat", temperature=1.0, seed=5, speculation={"mode": "draft"}).json()
+        for colocation in MODES
+    ]
+    assert sampled[0]["choices"][0]["token_ids"] == sampled[1]["choices"][0]["token_ids"]
+
+
+BAD_REQUESTS = [
+    ({"prompt": 3}, 400, "prompt"),
+    ({}, 400, "prompt"),
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 100000}, 400, "max_tokens"),
+    ({"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "x", "temperature": "NaN"}, 400, "temperature"),
+    ({"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ({"prompt": "x", "speculation": {"mode": "warp"}}, 400, "speculation.mode"),
+    ({"prompt": "x", "speculation": {"num_speculative_tokens": 0}}, 400, "speculation.num_speculative_tokens"),
+    ({"prompt": "x", "n": 2}, 400, "n"),
+    ({"prompt": "x", "stream": "yes"}, 400, "stream"),
+    ({"prompt": "x", "model": "gpt-17"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize("body,status,param", BAD_REQUESTS, ids=[b[2] + str(i) for i, b in enumerate(BAD_REQUESTS)])
+def test_bad_input_gets_an_openai_error(server, body, status, param):
+    r = httpx.post(f"{BASE}/in_process/v1/completions", json={"model": MODEL, **body}, timeout=60)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["param"] == param and err["message"]
+
+
+def test_malformed_bodies_and_chat_errors(server):
+    r = httpx.post(f"{BASE}/in_process/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = httpx.post(f"{BASE}/in_process/v1/chat/completions", json={"model": MODEL, "messages": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = httpx.post(f"{BASE}/in_process/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "pirate", "content": "arr"}]})
+    assert r.status_code == 400
+    # The server is still healthy afterwards.
+    assert httpx.get(f"{BASE}/in_process/health").json() == {"status": "ok"}
+
+
+def test_serve_config_is_clean_and_the_lint_catches_silent_keys(tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    assert lint_serve_config(root / "serve_config.yaml") == []
+    config = yaml.safe_load((root / "serve_config.yaml").read_text())
+    config["applications"][0]["deployments"][0]["num_replicaz"] = 2
+    config["applications"][0]["args"]["speculation"]["mdoe"] = "draft"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(config))
+    problems = lint_serve_config(bad)
+    assert any("num_replicaz" in p for p in problems) and any("mdoe" in p for p in problems)
