@@ -115,6 +115,7 @@ class RoundStats:
     emitted: int
     draft_s: float
     verify_s: float
+    started_at: float = 0.0  # wall clock (time.time()) when the round began, for traces
 
     @property
     def bonus(self) -> bool:
@@ -177,6 +178,7 @@ def decode(
             remaining = request.max_tokens - produced
             # 1. draft k (a round emits at most k + 1 tokens: never draft past max_tokens)
             kk = 0 if (drafter is None or index == 0) else max(0, min(choose_k(rounds), remaining - 1))
+            started_at = time.time()
             t0 = time.perf_counter()
             proposal = (
                 drafter.propose(seq_id, ids, kk, params, round_seed(seed, index, DRAFT))
@@ -209,6 +211,7 @@ def decode(
                 emitted=len(tokens),
                 draft_s=t1 - t0,
                 verify_s=t2 - t1,
+                started_at=started_at,
             )
             rounds.append(stats)
             yield Step(tokens=tokens, stats=stats, finish_reason=finish)
