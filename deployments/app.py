@@ -4,37 +4,47 @@ from __future__ import annotations
 
 from ray.serve import Application
 
-from deployments.config import AppArgs, resolve_models
+from deployments.config import AppArgs, UnitArgs, resolve_models
 from deployments.ingress import Ingress
 from deployments.router import SpecRouter
 
 
-def unit_bundles(args: AppArgs) -> list[dict]:
+def unit_bundles(args: UnitArgs) -> list[dict]:
     """Placement-group bundles of one unit: router, then (actors mode) target and draft."""
     res = args.resources
-    if args.colocation == "in_process":
-        # The models live in the router: it gets the target's share of the node.
-        return [{"CPU": res.target_cpus, **({"GPU": res.target_gpus} if res.target_gpus else {})}]
-    bundles = [{"CPU": res.router_cpus}]
-    bundles.append({"CPU": res.target_cpus, **({"GPU": res.target_gpus} if res.target_gpus else {})})
+
+    def bundle(cpus: float, gpus: float) -> dict:
+        return {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
+
+    if args.colocation == "in_process":  # the models live in the router
+        return [bundle(res.target_cpus, res.target_gpus)]
+    bundles = [bundle(res.router_cpus, 0), bundle(res.target_cpus, res.target_gpus)]
     if args.models.draft:
-        bundles.append({"CPU": res.draft_cpus, **({"GPU": res.draft_gpus} if res.draft_gpus else {})})
+        bundles.append(bundle(res.draft_cpus, res.draft_gpus))
     return bundles
+
+
+def build_unit(args: dict | UnitArgs, **options) -> Application:
+    """The SpecRouter deployment (one replica = one co-located unit), bound to its args.
+
+    ``options`` are extra deployment options (``num_replicas``, ...); serve_config.yaml's
+    ``deployments:`` entries override them as usual.
+    """
+    unit = UnitArgs.model_validate(args if isinstance(args, dict) else args.model_dump())
+    unit = unit.model_copy(update={"models": resolve_models(unit.models)})
+    bundles = unit_bundles(unit)
+    return SpecRouter.options(
+        placement_group_bundles=bundles,
+        placement_group_strategy="STRICT_PACK",
+        ray_actor_options={"num_cpus": bundles[0]["CPU"], "num_gpus": bundles[0].get("GPU", 0)},
+        max_ongoing_requests=unit.max_concurrent_requests,
+        **options,
+    ).bind(unit.model_dump())
 
 
 def build_app(args: dict) -> Application:
     """Validate ``args`` (unknown keys are an error) and bind Ingress -> SpecRouter."""
     parsed = AppArgs.model_validate(args)
-    parsed = parsed.model_copy(update={"models": resolve_models(parsed.models)})
-    bundles = unit_bundles(parsed)
-    unit = {k: v for k, v in parsed.model_dump().items() if k in AppArgs.model_fields and k != "ingress_cpus"}
-    first = bundles[0]
-    router = SpecRouter.options(
-        placement_group_bundles=bundles,
-        placement_group_strategy="STRICT_PACK",
-        ray_actor_options={"num_cpus": first["CPU"], "num_gpus": first.get("GPU", 0)},
-        max_ongoing_requests=parsed.max_concurrent_requests,
-    ).bind(unit)
-    return Ingress.options(ray_actor_options={"num_cpus": parsed.ingress_cpus}).bind(
-        router, parsed.models.name
-    )
+    unit = UnitArgs.model_validate(parsed.model_dump(exclude={"ingress_cpus"}))
+    name = resolve_models(parsed.models).name
+    return Ingress.options(ray_actor_options={"num_cpus": parsed.ingress_cpus}).bind(build_unit(unit), name)

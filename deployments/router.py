@@ -92,11 +92,14 @@ class SpecRouter:
         self._pool = ThreadPoolExecutor(max_workers=self.args.max_concurrent_requests)
 
     def info(self) -> dict:
+        """What this unit is and where its parts run (node ids), for operators and tests."""
         return {
+            "replica": serve.get_replica_context().replica_id.unique_id,
+            "node_id": ray.get_runtime_context().get_node_id(),
             "max_length": self.engine.max_length,
             "modes": ["off", "auto", *self.engine.drafters],
             "colocation": self.args.colocation,
-            "actors": {name: actor._actor_id.hex() for name, actor in self.actors.items()},
+            "workers": {name: ray.get(actor.node_id.remote()) for name, actor in self.actors.items()},
         }
 
     def _prepare(self, req: dict) -> tuple[list[int], dict]:

@@ -30,6 +30,9 @@ class TargetWorker:
     def info(self) -> dict:
         return {"max_length": self.runner.max_length, "eos_token_ids": self._eos}
 
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
     def verify(
         self, seq_id: str, context: list[int], proposal: Proposal, params: SamplingParams, seed: int
     ) -> Verdict:
@@ -46,6 +49,9 @@ class DraftWorker:
 
     def ready(self) -> bool:
         return True
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
 
     def propose(
         self, seq_id: str, context: list[int], k: int, params: SamplingParams, seed: int
