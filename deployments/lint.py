@@ -16,6 +16,7 @@ from ray.serve.config import AutoscalingConfig
 from ray.serve.schema import RayActorOptionsSchema, ServeDeploySchema
 
 from deployments.config import AppArgs
+from specdec.policy import PolicyConfig
 
 # Dict-typed fields that Ray validates against a model later (or not at all).
 _DICT_FIELDS: dict[str, type[BaseModel]] = {
@@ -67,6 +68,12 @@ def lint_serve_config(path: str | Path) -> list[str]:
     except ValidationError as exc:
         problems += [f"schema: {e['loc']}: {e['msg']}" for e in exc.errors()]
     for i, app in enumerate(config.get("applications") or []):
+        for j, dep in enumerate(app.get("deployments") or []):
+            if dep.get("name") == "SpecRouter" and "user_config" in dep:
+                try:
+                    PolicyConfig.model_validate(dep["user_config"] or {})
+                except ValidationError as exc:
+                    problems.append(f"applications[{i}].deployments[{j}].user_config: {exc}")
         if str(app.get("import_path", "")).startswith("deployments.app:"):
             try:
                 AppArgs.model_validate(app.get("args") or {})

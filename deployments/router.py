@@ -26,6 +26,7 @@ from deployments.workers import DraftWorker, RemoteDrafter, RemoteTarget, Target
 from specdec.drafters.model import check_same_vocabulary
 from specdec.drafters.ngram import NgramDrafter
 from specdec.engine import Engine
+from specdec.policy import PolicyConfig
 from specdec.runner import load_tokenizer
 from specdec.sampling import SamplingParams
 from specdec.stats import SpeculationSummary
@@ -91,6 +92,11 @@ class SpecRouter:
         self.engine, self.actors = build_engine(self.args)
         self._pool = ThreadPoolExecutor(max_workers=self.args.max_concurrent_requests)
 
+    def reconfigure(self, user_config: dict) -> None:
+        """Operator flags (kill switch, default mode, k_max, fallback thresholds), live."""
+        self.engine.policy = PolicyConfig.model_validate(user_config or {})
+        log.info("policy now %s", self.engine.policy)
+
     def info(self) -> dict:
         """What this unit is and where its parts run (node ids), for operators and tests."""
         return {
@@ -147,13 +153,14 @@ class SpecRouter:
             emit({"type": "error", "status": 400, "message": str(exc), "param": exc.param})
             return
         emit({"type": "start", "prompt_tokens": len(ids), "mode": kwargs["mode"]})
-        rounds, finish, produced = [], None, 0
+        rounds, finish, produced, policy = [], None, 0, {}
         stream = self.engine.stream(ids, **kwargs)
         try:
             for event in stream:
                 rounds.append(event.stats)
                 produced += len(event.token_ids)
                 finish = event.finish_reason
+                policy = event.policy or policy
                 emit({"type": "delta", "text": event.text, "token_ids": event.token_ids})
                 if cancelled.is_set():
                     finish = "cancelled"
@@ -167,7 +174,7 @@ class SpecRouter:
                 "finish_reason": finish,
                 "prompt_tokens": len(ids),
                 "completion_tokens": produced,
-                "speculation": summary.to_dict(),
+                "speculation": {**summary.to_dict(), **policy},
             }
         )
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 import ray
 
 from specdec.config import ModelConfig
-from specdec.decoding import verify_round
+from ray.exceptions import GetTimeoutError, RayError
+
+from specdec.decoding import DraftUnavailable, verify_round
 from specdec.drafters.base import Proposal
 from specdec.drafters.model import ModelDrafter
 from specdec.engine import eos_token_ids
@@ -72,7 +74,22 @@ class RemoteTarget:
     def verify(self, seq_id, context, proposal, params, seed) -> Verdict:
         # ``proposal`` may be an ObjectRef from the DraftWorker: Ray hands it to the target
         # worker directly.
-        return ray.get(self.actor.verify.remote(seq_id, context, proposal, params, seed))
+        try:
+            return ray.get(self.actor.verify.remote(seq_id, context, proposal, params, seed))
+        except RayError:
+            if isinstance(proposal, ray.ObjectRef) and _failed(proposal):
+                raise DraftUnavailable("the draft worker did not deliver its proposal") from None
+            raise
+
+
+def _failed(ref: ray.ObjectRef) -> bool:
+    try:
+        ray.get(ref, timeout=0)
+        return False
+    except GetTimeoutError:  # not finished: the target failed first
+        return False
+    except RayError:
+        return True
 
     def release(self, seq_id: str) -> None:
         self.actor.release.remote(seq_id)

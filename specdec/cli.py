@@ -28,7 +28,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         draft = draft or demo_draft
     engine = Engine.load(
         ModelConfig(target=target, draft=draft, dtype=args.dtype, draft_dtype=args.draft_dtype),
-        SpeculationConfig(mode=args.mode, num_speculative_tokens=args.k),
+        SpeculationConfig(mode=args.mode, num_speculative_tokens=args.k or 4),
     )
     if args.chat:
         prompt_ids = engine.encode(messages=[{"role": "user", "content": args.prompt}])
@@ -51,6 +51,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "ttft_s": result.ttft_s,
             "total_s": result.total_s,
             "tokens_per_s": result.tokens_per_s,
+            "policy": result.policy,
             "rounds": [vars(r) for r in result.rounds],
         }
         print(json.dumps(out, indent=2))
@@ -81,6 +82,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_from_args(args)
 
 
+def cmd_traces(args: argparse.Namespace) -> int:
+    from specdec.traces import run_from_args
+
+    return run_from_args(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec", description="Exact speculative decoding.")
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -91,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--target", help="target model path or id (default: the demo target)")
     gen.add_argument("--draft", help="draft model path or id (default: the demo draft)")
     gen.add_argument("--mode", default="auto", choices=["auto", "draft", "ngram", "off"])
-    gen.add_argument("--k", type=int, default=4, help="draft tokens per round")
+    gen.add_argument("--k", type=int, default=None, help="fixed draft tokens per round (default: adaptive)")
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
@@ -114,6 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmark speculation against plain decoding and transformers")
     add_bench_arguments(bench)
     bench.set_defaults(func=cmd_bench)
+
+    from specdec.traces import add_arguments as add_traces_arguments
+
+    traces = sub.add_parser("traces", help="read request traces back: list, show, summary")
+    add_traces_arguments(traces)
+    traces.set_defaults(func=cmd_traces)
     return parser
 
 

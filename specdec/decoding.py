@@ -15,6 +15,7 @@ restarted worker continues the same stream.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -27,7 +28,14 @@ from specdec.runner import ModelRunner
 from specdec.sampling import SamplingParams, logits_to_probs, make_generator
 from specdec.verify import Verdict, verify_greedy, verify_sampled
 
+log = logging.getLogger(__name__)
+
 _MASK64 = 0xFFFF_FFFF_FFFF_FFFF
+DRAFT_RETRY_ROUNDS = 8  # plain rounds after a drafter failure before drafting again
+
+
+class DraftUnavailable(RuntimeError):
+    """Raised by a Target when the proposal it was handed failed (e.g. the draft worker died)."""
 TARGET, DRAFT = 0, 1  # the two consumers of a round's randomness
 
 
@@ -116,6 +124,7 @@ class RoundStats:
     draft_s: float
     verify_s: float
     started_at: float = 0.0  # wall clock (time.time()) when the round began, for traces
+    draft_error: str | None = None  # the drafter failed this round; it ran as a plain step
 
     @property
     def bonus(self) -> bool:
@@ -171,6 +180,7 @@ def decode(
     seed = params.seed if params.seed is not None else int(make_generator(None).initial_seed())
     ids = list(request.prompt_ids)
     produced = 0
+    draft_retry_at = 0
     rounds: list[RoundStats] = []
     try:
         while True:
@@ -178,17 +188,29 @@ def decode(
             remaining = request.max_tokens - produced
             # 1. draft k (a round emits at most k + 1 tokens: never draft past max_tokens)
             kk = 0 if (drafter is None or index == 0) else max(0, min(choose_k(rounds), remaining - 1))
+            if index < draft_retry_at:
+                kk = 0  # the drafter failed recently: plain steps until the retry
             started_at = time.time()
             t0 = time.perf_counter()
-            proposal = (
-                drafter.propose(seq_id, ids, kk, params, round_seed(seed, index, DRAFT))
-                if kk
-                else EMPTY_PROPOSAL
-            )
+            proposal, draft_error = EMPTY_PROPOSAL, None
+            if kk:
+                try:
+                    proposal = drafter.propose(seq_id, ids, kk, params, round_seed(seed, index, DRAFT))
+                except Exception as exc:  # a draft failure never fails the request
+                    draft_error = f"{type(exc).__name__}: {exc}"
             t1 = time.perf_counter()
             # 2-4. score k + 1 positions in one target pass, accept / reject, roll back
-            verdict = target.verify(seq_id, ids, proposal, params, round_seed(seed, index, TARGET))
+            target_seed = round_seed(seed, index, TARGET)
+            try:
+                verdict = target.verify(seq_id, ids, proposal, params, target_seed)
+            except DraftUnavailable as exc:  # the draft's result never arrived
+                draft_error = f"{type(exc).__name__}: {exc}"
+                proposal = EMPTY_PROPOSAL
+                verdict = target.verify(seq_id, ids, proposal, params, target_seed)
             t2 = time.perf_counter()
+            if draft_error:
+                log.warning("request %s: drafter failed (%s); plain decoding for now", seq_id, draft_error)
+                draft_retry_at = index + DRAFT_RETRY_ROUNDS
             if verdict.num_drafted:
                 drafter.observe(seq_id, verdict.num_drafted, verdict.num_accepted)
             tokens = verdict.tokens[:remaining]
@@ -201,7 +223,7 @@ def decode(
             if finish is None and produced >= request.max_tokens:
                 finish = "length"
             ids.extend(tokens)
-            mode = "prefill" if index == 0 else (drafter.name if kk else "off")
+            mode = "prefill" if index == 0 else ("off" if kk == 0 or draft_error else drafter.name)
             stats = RoundStats(
                 index=index,
                 mode=mode,
@@ -212,6 +234,7 @@ def decode(
                 draft_s=t1 - t0,
                 verify_s=t2 - t1,
                 started_at=started_at,
+                draft_error=draft_error,
             )
             rounds.append(stats)
             yield Step(tokens=tokens, stats=stats, finish_reason=finish)

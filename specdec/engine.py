@@ -7,6 +7,7 @@ only token ids.
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ from specdec.decoding import DecodeRequest, LocalTarget, RoundStats, Target, dec
 from specdec.drafters.base import Drafter
 from specdec.drafters.model import ModelDrafter, check_same_vocabulary
 from specdec.drafters.ngram import NgramDrafter
+from specdec.policy import CostModel, ModeSwitch, PolicyConfig, SpeculationPolicy
 from specdec.runner import ModelRunner, load_model, load_tokenizer
 from specdec.sampling import SamplingParams
 from specdec.stats import SpeculationSummary
@@ -31,6 +33,7 @@ class Event:
     token_ids: list[int]
     stats: RoundStats
     finish_reason: str | None = None
+    policy: dict | None = None  # the controller's summary, on the last event
 
 
 @dataclass
@@ -41,6 +44,7 @@ class Completion:
     prompt_tokens: int
     speculation: SpeculationSummary
     rounds: list[RoundStats] = field(default_factory=list)
+    policy: dict = field(default_factory=dict)
     ttft_s: float = 0.0
     total_s: float = 0.0
 
@@ -74,12 +78,17 @@ class Engine:
         *,
         eos_token_ids: frozenset[int],
         speculation: SpeculationConfig | None = None,
+        policy: PolicyConfig | None = None,
     ):
         self.tokenizer = tokenizer
         self.target = target
         self.drafters = drafters
         self.eos_token_ids = eos_token_ids
         self.speculation = speculation or SpeculationConfig()
+        self.policy = policy or PolicyConfig()  # replaced whole, live, by operators
+        self.costs = CostModel()  # the unit's measured draft / verify costs
+        self._active = 0  # requests decoding now: the load the policy sees
+        self._active_lock = threading.Lock()
 
     @classmethod
     def load(cls, models: ModelConfig, speculation: SpeculationConfig | None = None) -> "Engine":
@@ -106,13 +115,27 @@ class Engine:
         return self.target.max_length
 
     def resolve_mode(self, mode: str | None) -> str:
-        """The mode a request runs in. ``auto`` prefers the draft model when there is one."""
-        mode = mode or self.speculation.mode
-        if mode == "auto":
-            return "draft" if "draft" in self.drafters else "ngram"
-        if mode != "off" and mode not in self.drafters:
+        """The mode a request runs in: its own, else the default; the kill switch wins."""
+        mode = mode or self.policy.default_mode or self.speculation.mode
+        if mode not in ("auto", "off") and mode not in self.drafters:
             raise ValueError(f"speculation mode {mode!r} is not available (no draft model configured)")
-        return mode
+        return "off" if self.policy.kill_switch else mode
+
+    def _policy(self, mode: str, k: int | None) -> tuple[ModeSwitch | None, SpeculationPolicy | None]:
+        """The drafter and per-round controller for a request in ``mode`` asking for ``k``."""
+        if mode == "off":
+            return None, None
+        switch = ModeSwitch(self.drafters if mode == "auto" else {mode: self.drafters[mode]})
+        adaptive = self.policy.adaptive and (k is None or mode == "auto")
+        policy = SpeculationPolicy(
+            switch=switch,
+            costs=self.costs,
+            config=lambda: self.policy,
+            k_request=k or self.speculation.num_speculative_tokens,
+            adaptive=adaptive,
+            load=lambda: self._active,
+        )
+        return switch, policy
 
     def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
         """Prompt ids from plain text or from chat messages (the tokenizer's chat template)."""
@@ -138,7 +161,7 @@ class Engine:
         request_id: str | None = None,
     ) -> Iterator[Event]:
         mode = self.resolve_mode(mode)
-        drafter = None if mode == "off" else self.drafters[mode]
+        drafter, policy = self._policy(mode, k)
         request = DecodeRequest(
             prompt_ids=list(prompt_ids),
             max_tokens=max_tokens,
@@ -147,25 +170,30 @@ class Engine:
             seq_id=request_id or uuid.uuid4().hex,
         )
         text = TextStream(self.tokenizer, stop=list(stop or []))
-        steps = decode(self.target, drafter, request, k=k or self.speculation.num_speculative_tokens)
+        steps = decode(self.target, drafter, request, k=policy or 0)
+        with self._active_lock:
+            self._active += 1
         try:
             for step in steps:
                 delta, kept = text.add(step.tokens)
                 finish = "stop" if text.stopped else step.finish_reason
                 if finish:
                     delta += text.finish()
-                yield Event(text=delta, token_ids=kept, stats=step.stats, finish_reason=finish)
+                summary = (policy.summary() if policy else {}) if finish else None
+                yield Event(delta, kept, step.stats, finish_reason=finish, policy=summary)
                 if finish:
                     return
         finally:
             steps.close()  # releases the caches, also when the consumer stops early
+            with self._active_lock:
+                self._active -= 1
 
     def generate(self, prompt_ids: list[int], **kwargs) -> Completion:
         mode = self.resolve_mode(kwargs.get("mode"))
         start = time.perf_counter()
         ttft = 0.0
         texts, ids, rounds = [], [], []
-        finish = "length"
+        finish, policy = "length", {}
         for event in self.stream(prompt_ids, **kwargs):
             if not rounds:
                 ttft = time.perf_counter() - start
@@ -173,6 +201,7 @@ class Engine:
             ids.extend(event.token_ids)
             rounds.append(event.stats)
             finish = event.finish_reason or finish
+            policy = event.policy or policy
         return Completion(
             text="".join(texts),
             token_ids=ids,
@@ -180,6 +209,7 @@ class Engine:
             prompt_tokens=len(prompt_ids),
             speculation=SpeculationSummary.from_rounds(mode, rounds),
             rounds=rounds,
+            policy=policy,
             ttft_s=ttft,
             total_s=time.perf_counter() - start,
         )

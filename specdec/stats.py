@@ -9,6 +9,7 @@ Definitions (over the rounds after prefill):
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import asdict, dataclass
 
 from specdec.decoding import RoundStats
@@ -27,7 +28,11 @@ class SpeculationSummary:
 
     @classmethod
     def from_rounds(cls, mode: str, rounds: list[RoundStats]) -> "SpeculationSummary":
+        """``mode`` is the mode asked for; ``auto`` is reported as the drafter it used most."""
         decode_rounds = [r for r in rounds if r.mode != "prefill"]
+        if mode == "auto":
+            used = Counter(r.mode for r in decode_rounds if r.mode != "off")
+            mode = used.most_common(1)[0][0] if used else "off"
         drafted = sum(r.drafted for r in decode_rounds)
         accepted = sum(r.accepted for r in decode_rounds)
         n = len(decode_rounds)

@@ -1,0 +1,243 @@
+"""Choosing each round's mode and draft length ``k`` from measured acceptance and costs.
+
+With per-token acceptance ``a``, a round of ``k`` drafts yields on average
+
+    E(a, k) = (1 - a^(k+1)) / (1 - a)        tokens (the bonus/recovered token included)
+
+and costs ``k * c + v(k)`` plain target steps, where ``c`` is a draft step's cost and
+``v(k)`` a (k+1)-token verify pass's, both relative to one plain step. The expected speedup
+of a round is ``S(a, k) = E(a, k) / (k c + v(k))``. The policy picks the ``k`` in
+``[1, k_max]`` that maximises ``S``; when even that is below ``1 + margin_off`` it decodes
+plainly, probes with one speculative round every ``probe_interval`` plain tokens, and goes
+back only when ``S`` clears the higher ``1 + margin_on`` (hysteresis: no flapping).
+
+Worked example: a = 0.8, c = 0.1, v(k) = 1 + 0.02 k. k = 4: E = (1 - 0.8^5) / 0.2 = 3.36,
+cost = 0.4 + 1.08 = 1.48, S = 2.27; k = 5: E = 3.69, cost = 1.60, S = 2.31; k = 6 is
+already worse (3.95 / 1.72 = 2.30), so k = 5.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from specdec.decoding import RoundStats
+
+
+def expected_tokens(a: float, k: int) -> float:
+    """E[tokens per round] = 1 + a + ... + a^k."""
+    if a >= 1.0:
+        return float(k + 1)
+    return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+def expected_speedup(a: float, k: int, c: float, v: Callable[[int], float]) -> float:
+    """S(a, k) = E(a, k) / (k c + v(k)); k = 0 is plain decoding (1.0 when v(0) = 1)."""
+    return expected_tokens(a, k) / (k * c + v(k))
+
+
+def best_k(a: float, c: float, v: Callable[[int], float], k_max: int) -> tuple[int, float]:
+    """The k in [1, k_max] with the highest expected speedup, and that speedup."""
+    return max(((k, expected_speedup(a, k, c, v)) for k in range(1, k_max + 1)), key=lambda x: x[1])
+
+
+class PolicyConfig(BaseModel):
+    """Operator settings; live through ``user_config`` (``reconfigure``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kill_switch: bool = Field(False, description="All requests decode plainly.")
+    default_mode: Literal["auto", "draft", "ngram", "off"] | None = Field(
+        None, description="Mode for requests that name none (None: the app's speculation.mode)."
+    )
+    k_max: int = Field(8, ge=1, le=32, description="Largest k a round may use.")
+    adaptive: bool = Field(True, description="Pick k per round; False keeps the request's k.")
+    margin_off: float = Field(0.03, ge=0, description="Fall back when the best S < 1 + this.")
+    margin_on: float = Field(0.10, ge=0, description="Resume when S >= 1 + this (> margin_off).")
+    probe_interval: int = Field(16, ge=1, description="Plain tokens between probe rounds.")
+    ewma: float = Field(0.3, gt=0, le=1, description="Weight of the newest round in estimates.")
+    prior_acceptance: float = Field(0.6, ge=0, le=1, description="a before any round is seen.")
+    load_penalty: float = Field(
+        0.0,
+        ge=0,
+        description="Extra verify cost per drafted token for each other request on the unit. "
+        "0 for a unit that runs one sequence per pass (the CPU runner); > 0 where the "
+        "target batches requests and becomes compute-bound under load (GPUs).",
+    )
+
+
+class CostModel:
+    """Measured costs of one unit, shared by its requests, relative to a plain target step.
+
+    ``step_s``: a plain step's wall time; ``verify_s[k]``: a (k+1)-token pass; per mode,
+    ``draft_s_per_token``. Priors stand in until measurements arrive.
+    """
+
+    def __init__(self, prior_c: dict[str, float] | None = None, prior_verify_slope: float = 0.03):
+        self.prior_c = {"draft": 0.15, "ngram": 0.01, "early_exit": 0.3, **(prior_c or {})}
+        self.prior_verify_slope = prior_verify_slope
+        self.step_s: float | None = None
+        self.verify_s: dict[int, float] = {}
+        self.draft_s_per_token: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _ewma(old: float | None, new: float, w: float = 0.2) -> float:
+        return new if old is None else (1 - w) * old + w * new
+
+    def observe(self, r: RoundStats) -> None:
+        if r.mode == "prefill":
+            return
+        with self._lock:
+            self.verify_s[r.k] = self._ewma(self.verify_s.get(r.k), r.verify_s)
+            if r.k == 0:
+                self.step_s = self._ewma(self.step_s, r.verify_s)
+            elif r.drafted:
+                per_token = r.draft_s / r.drafted
+                self.draft_s_per_token[r.mode] = self._ewma(self.draft_s_per_token.get(r.mode), per_token)
+
+    def c(self, mode: str) -> float:
+        d = self.draft_s_per_token.get(mode)
+        if d is None or not self.step_s:
+            return self.prior_c.get(mode, 0.2)
+        return d / self.step_s
+
+    def v(self, k: int, load: int = 1, load_penalty: float = 0.0) -> float:
+        """v(k): measured where known, else the prior slope; plus the load penalty."""
+        penalty = load_penalty * max(0, load - 1) * k
+        if k == 0:
+            return 1.0
+        if self.step_s and k in self.verify_s:
+            return max(1.0, self.verify_s[k] / self.step_s) + penalty
+        slope = self.prior_verify_slope
+        if self.step_s and self.verify_s:  # fit the slope through the measured points
+            slopes = [(t / self.step_s - 1.0) / kk for kk, t in self.verify_s.items() if kk > 0]
+            if slopes:
+                slope = max(0.0, sum(slopes) / len(slopes))
+        return 1.0 + slope * k + penalty
+
+
+class ModeSwitch:
+    """A Drafter that delegates to whichever of its drafters the policy made active."""
+
+    def __init__(self, drafters: dict):
+        self.drafters = drafters
+        self.active = next(iter(drafters))
+
+    @property
+    def name(self) -> str:
+        return self.active
+
+    def propose(self, seq_id, context, k, params, seed):
+        return self.drafters[self.active].propose(seq_id, context, k, params, seed)
+
+    def observe(self, seq_id, proposed, accepted):
+        self.drafters[self.active].observe(seq_id, proposed, accepted)
+
+    def release(self, seq_id):
+        for d in self.drafters.values():
+            d.release(seq_id)
+
+
+@dataclass
+class SpeculationPolicy:
+    """Per-request controller; ``decode(..., k=policy)`` calls it before each round.
+
+    It reads the newest round from ``rounds``, updates the acceptance estimate of that
+    round's mode and the unit's costs, then returns the next round's k (0 = plain) after
+    setting ``switch.active`` to the mode to draft with.
+    """
+
+    switch: ModeSwitch
+    costs: CostModel
+    config: Callable[[], PolicyConfig]  # read every round: operator flags apply live
+    k_request: int | None = None  # a request's explicit k (capped at k_max)
+    adaptive: bool = True  # False: the request asked for a fixed mode and k
+    load: Callable[[], int] = lambda: 1
+    acceptance: dict[str, float] = field(default_factory=dict)
+    plain: bool = False  # in fallback
+    plain_tokens: int = 0
+    probing: bool = False
+    events: list[tuple[int, str]] = field(default_factory=list)  # (round index, what)
+    k_used: Counter = field(default_factory=Counter)
+    _seen: int = 0
+    _trials: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+    def _update(self, rounds: list[RoundStats], cfg: PolicyConfig) -> None:
+        for r in rounds[self._seen :]:
+            self.costs.observe(r)
+            if r.drafted:
+                # Per-token acceptance a = accepted / (accepted + rejections), each an EWMA over
+                # rounds: a round with many trials weighs more than one that failed at once.
+                acc, rej = self._trials.get(r.mode, (cfg.prior_acceptance, 1 - cfg.prior_acceptance))
+                rejected = 0 if r.accepted == r.drafted else 1
+                acc = (1 - cfg.ewma) * acc + cfg.ewma * r.accepted
+                rej = (1 - cfg.ewma) * rej + cfg.ewma * rejected
+                self._trials[r.mode] = (acc, rej)
+                self.acceptance[r.mode] = acc / (acc + rej) if acc + rej > 0 else cfg.prior_acceptance
+            if r.k == 0 and r.mode != "prefill":
+                self.plain_tokens += r.emitted
+        self._seen = len(rounds)
+
+    def _best(self, cfg: PolicyConfig) -> tuple[str, int, float]:
+        """The best (mode, k, expected speedup) over the available drafters."""
+        k_max = min(cfg.k_max, self.k_request or cfg.k_max) if not self.adaptive else cfg.k_max
+        load = self.load()
+        options = []
+        for mode in self.switch.drafters:
+            a = self.acceptance.get(mode, cfg.prior_acceptance)
+            c = self.costs.c(mode)
+            v = lambda k: self.costs.v(k, load, cfg.load_penalty)
+            if self.adaptive:
+                k, s = best_k(a, c, v, k_max)
+            else:
+                k = k_max
+                s = expected_speedup(a, k, c, v)
+            options.append((mode, k, s))
+        return max(options, key=lambda o: o[2])
+
+    def __call__(self, rounds: list[RoundStats]) -> int:
+        cfg = self.config()
+        self._update(rounds, cfg)
+        index = len(rounds)
+        if cfg.kill_switch:
+            return 0
+        if self.costs.step_s is None and index == 1 and self.adaptive:
+            return 0  # one plain step measures the unit's step time; it costs nothing
+        mode, k, s = self._best(cfg)
+        if self.probing:  # the probe round just ran: decide on its evidence
+            self.probing = False
+            if s >= 1 + cfg.margin_on:
+                self.plain = False
+                self.events.append((index, f"resume:{mode}"))
+            else:
+                self.plain_tokens = 0
+        elif not self.plain and s < 1 + cfg.margin_off and self.adaptive:
+            self.plain, self.plain_tokens = True, 0
+            self.events.append((index, "fallback"))
+        if self.plain:
+            if self.plain_tokens < cfg.probe_interval:
+                return 0
+            self.probing = True
+            self.events.append((index, f"probe:{mode}"))
+            k = min(k, 2)  # a cheap probe
+        if mode != self.switch.active:
+            self.events.append((index, f"switch:{mode}"))
+            self.switch.active = mode
+        self.k_used[k] += 1
+        return k
+
+    def summary(self) -> dict:
+        kinds = Counter(e.split(":")[0] for _, e in self.events)
+        return {
+            "fallbacks": kinds["fallback"],
+            "probes": kinds["probe"],
+            "mode_switches": kinds["switch"] + kinds["resume"],
+            "k_histogram": {str(k): n for k, n in sorted(self.k_used.items())},
+            "acceptance_estimate": {m: round(a, 4) for m, a in self.acceptance.items()},
+        }
