@@ -81,8 +81,12 @@ class RemoteTarget:
                 raise DraftUnavailable("the draft worker did not deliver its proposal") from None
             raise
 
+    def release(self, seq_id: str) -> None:
+        self.actor.release.remote(seq_id)
+
 
 def _failed(ref: ray.ObjectRef) -> bool:
+    """Whether a finished object reference holds an error."""
     try:
         ray.get(ref, timeout=0)
         return False
@@ -90,9 +94,6 @@ def _failed(ref: ray.ObjectRef) -> bool:
         return False
     except RayError:
         return True
-
-    def release(self, seq_id: str) -> None:
-        self.actor.release.remote(seq_id)
 
 
 class RemoteDrafter:

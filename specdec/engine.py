@@ -121,12 +121,22 @@ class Engine:
             raise ValueError(f"speculation mode {mode!r} is not available (no draft model configured)")
         return "off" if self.policy.kill_switch else mode
 
-    def _policy(self, mode: str, k: int | None) -> tuple[ModeSwitch | None, SpeculationPolicy | None]:
-        """The drafter and per-round controller for a request in ``mode`` asking for ``k``."""
+    def _policy(
+        self, mode: str, k: int | None, params: SamplingParams
+    ) -> tuple[ModeSwitch | None, SpeculationPolicy | None]:
+        """The drafter and per-round controller for a request in ``mode`` asking for ``k``.
+
+        A seeded sampling request gets a fixed schedule: which tokens rejection sampling
+        draws depends on how the rounds were cut, and an adaptive schedule follows measured
+        timings, so only a fixed one makes the seed reproduce the same text.
+        """
         if mode == "off":
             return None, None
+        seeded = params.seed is not None and not params.greedy
+        if mode == "auto" and seeded:
+            mode = "draft" if "draft" in self.drafters else "ngram"
         switch = ModeSwitch(self.drafters if mode == "auto" else {mode: self.drafters[mode]})
-        adaptive = self.policy.adaptive and (k is None or mode == "auto")
+        adaptive = self.policy.adaptive and (k is None or mode == "auto") and not seeded
         policy = SpeculationPolicy(
             switch=switch,
             costs=self.costs,
@@ -161,7 +171,7 @@ class Engine:
         request_id: str | None = None,
     ) -> Iterator[Event]:
         mode = self.resolve_mode(mode)
-        drafter, policy = self._policy(mode, k)
+        drafter, policy = self._policy(mode, k, params)
         request = DecodeRequest(
             prompt_ids=list(prompt_ids),
             max_tokens=max_tokens,

@@ -1,0 +1,122 @@
+"""The offline demo model pair: SmolLM2-135M-Instruct (target) and a distilled 2-layer draft.
+
+``build_demo_models()`` writes ``$SPECDEC_HOME/demo/{tokenizer,target,draft}`` and
+``metrics.json`` (``SPECDEC_HOME`` defaults to ``~/.cache/specdec``). The build runs in a temp
+directory next to the final one and is renamed into place at the end, so an interrupted build
+is never mistaken for a finished one. A second call finds the complete cache and returns at once.
+
+Reproduce the demo pair from scratch::
+
+    python -c "from specdec.demo import build_demo_models; build_demo_models(force=True)"
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+MARKER = "specdec_draft.json"  # same names as draft_model (kept import-free: a cache hit loads no torch)
+_DRAFT_FILES = (MARKER, "draft.safetensors", "embeddings.safetensors")
+
+
+def load_draft(path, dtype=None):
+    """See :func:`specdec.demo.draft_model.load_draft` (imported lazily)."""
+    import torch
+
+    from .draft_model import load_draft as _load
+
+    return _load(path, torch.float32 if dtype is None else dtype)
+
+__all__ = ["build_demo_models", "demo_paths", "demo_home", "is_demo_complete", "load_draft"]
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+_TARGET_FILES = ("config.json", "model.safetensors") + _TOKENIZER_FILES
+
+
+def demo_home(home: Path | str | None = None) -> Path:
+    if home is None:
+        home = os.environ.get("SPECDEC_HOME") or (Path.home() / ".cache" / "specdec")
+    return Path(home).expanduser() / "demo"
+
+
+def demo_paths(home: Path | str | None = None) -> dict:
+    """``{"tokenizer": ..., "target": ..., "draft": ...}`` (plus ``"root"`` and ``"metrics"``)."""
+    root = demo_home(home)
+    return {"tokenizer": root / "tokenizer", "target": root / "target", "draft": root / "draft",
+            "root": root, "metrics": root / "metrics.json"}
+
+
+def _complete(root: Path) -> bool:
+    p = {k: root / k for k in ("tokenizer", "target", "draft")}
+    files = [root / "metrics.json"]
+    files += [p["tokenizer"] / f for f in _TOKENIZER_FILES]
+    files += [p["target"] / f for f in _TARGET_FILES]
+    files += [p["draft"] / f for f in _TOKENIZER_FILES + _DRAFT_FILES]
+    if not all(f.is_file() and f.stat().st_size > 0 for f in files):
+        return False
+    try:
+        json.loads((root / "metrics.json").read_text())
+        json.loads((p["draft"] / MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def _remove_stale_builds(parent: Path) -> None:
+    """Delete temp dirs of killed builds (``.demo.build-<pid>-<t>`` whose pid is gone)."""
+    for d in parent.glob(".demo.build-*"):
+        try:
+            pid = int(d.name.split("-")[1])
+            os.kill(pid, 0)
+        except (ValueError, IndexError, ProcessLookupError):
+            shutil.rmtree(d, ignore_errors=True)
+        except PermissionError:
+            pass
+
+
+def is_demo_complete(home: Path | str | None = None) -> bool:
+    return _complete(demo_home(home))
+
+
+def build_demo_models(home: Path | str | None = None, *, force: bool = False, budget_s: float | None = None,
+                      seed: int = 0, config=None) -> Path:
+    """Build (or find cached) demo models; returns the ``demo`` directory.
+
+    ``budget_s`` caps the draft-training phase by wall-clock (the default fixed step count is
+    deterministic; a budget makes the result depend on machine speed). ``config`` (a
+    :class:`specdec.demo.build.BuildConfig`) overrides the default data/step sizes.
+    """
+    root = demo_home(home)
+    if not force and _complete(root):
+        print(f"[specdec demo] using cached demo models in {root}", file=sys.stderr)
+        return root
+    from .build import BuildConfig, build
+
+    root.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_builds(root.parent)
+    tmp = root.parent / f".demo.build-{os.getpid()}-{int(time.time())}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        if config is None:
+            config = BuildConfig(seed=seed, budget_s=budget_s)
+        metrics = build(tmp, config)
+        if root.exists():
+            old = root.parent / f".demo.old-{os.getpid()}-{int(time.time())}"
+            root.rename(old)
+            tmp.rename(root)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    d = metrics["draft"]
+    print(f"[specdec demo] built in {metrics['build_seconds']:.0f} s -> {root}\n"
+          f"  draft agreement: code {d['agreement_code_heldout']:.3f}, chat {d['agreement_chat_heldout']:.3f}; "
+          f"cost ratio c = {metrics['cost']['c']:.3f}", file=sys.stderr)
+    return root
