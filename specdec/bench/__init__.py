@@ -1,0 +1,48 @@
+"""``specdec bench``: our loop against plain decoding and transformers' peers, same pair, same prompts.
+
+Modules, one concept each:
+
+- ``ideal``      the ideal-speedup math (pure; worked example in its docstring)
+- ``workloads``  the seeded prompt sets: chat, code, grounded, sampling
+- ``configs``    what runs: our modes and k, transformers' plain / assisted / prompt lookup, HTTP
+- ``costs``      c (draft step / target step) and v(k) timed directly on the models
+- ``inproc``     one timed run through our engine or ``model.generate``
+- ``sse``        SSE parsing and TTFT / TPOT of a stream (pure); ``client`` the httpx side
+- ``report``     rows, targets, the terminal table; ``plots`` optional PNGs; ``run`` the driver
+
+Run ``specdec bench --quick --tiny`` for a smoke run, ``specdec bench`` for the full one on
+the demo pair, ``--url http://127.0.0.1:8000`` to add a running server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """The ``bench`` subcommand: run, print the table, write JSON and plots."""
+    from specdec.bench.options import BenchOptions
+    from specdec.bench.run import render, run_bench
+
+    opts = BenchOptions.from_args(args)
+    report = run_bench(opts)
+    print(render(report))
+    if opts.out:
+        out = Path(opts.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2, default=str))
+        print(f"wrote {out}", file=sys.stderr)
+    if not opts.no_plots and (opts.plots or opts.out):
+        from specdec.bench.plots import write_plots
+
+        directory = Path(opts.plots) if opts.plots else Path(opts.out).parent
+        stem = Path(opts.out).stem if opts.out else "bench"
+        for path in write_plots(report, directory, stem):
+            print(f"wrote {path}", file=sys.stderr)
+    return 0

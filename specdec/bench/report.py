@@ -1,0 +1,295 @@
+"""From timed runs to figures: one row per (configuration, workload), targets, the table.
+
+Definitions (per configuration and workload):
+
+- ``tokens_per_s``: per repeat, all output tokens over all seconds of the workload's prompts;
+  the median over repeats, with min and max. ``speedup``: median over our plain (``off``).
+- ``acceptance_rate``: accepted / drafted over the rounds after prefill;
+  ``mean_accepted_length``: tokens per target pass, (accepted + rounds) / rounds.
+- ``per_position_acceptance[i]``: among rounds that drafted more than i tokens, the share
+  that accepted more than i (see ``ideal.per_position_acceptance``).
+- ``c``: draft step / target step. The draft model's is measured directly (``costs``); a
+  drafter without a model (ngram) gets its in-loop drafting time per drafted token over a
+  target step; transformers' prompt lookup cannot be timed apart and counts as free (0).
+  ``c_in_loop`` is what drafting cost inside our loop, per drafted token.
+- ``v_k``: v(k) at the configured k; ``ideal_speedup`` from the rounds' actual draft lengths
+  (``ideal.ideal_speedup_rounds``); ``efficiency`` = speedup / ideal_speedup.
+- ``ttft_s`` / ``tpot_s``: p50 and p95 over runs; ``peak_rss_mb``: the largest RSS seen
+  right after a run of the configuration (the models are shared, so rows differ little).
+- HTTP rows take acceptance from the server's ``speculation`` objects and assume the server
+  runs the same pair (``c`` and ``v(k)`` are this process's measurements).
+- ``identical_outputs``: every greedy output token-identical to our plain output on the
+  same prompt (for HTTP, which stops at EOS, a prefix of it); None when nothing was
+  compared (sampling, or a server that returns no token ids).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+
+from specdec.bench.configs import BenchConfig
+from specdec.bench.costs import Costs
+from specdec.bench.ideal import (
+    ideal_speedup,
+    ideal_speedup_rounds,
+    interpolate_verify_cost,
+    per_position_acceptance,
+    percentile,
+)
+from specdec.bench.inproc import RunResult
+
+ROW_FIELDS = (
+    "name", "runner", "mode", "k", "schedule", "workload", "runs", "output_tokens",
+    "tokens_per_s", "speedup", "acceptance_rate", "mean_accepted_length", "rounds",
+    "drafted_tokens", "accepted_tokens", "per_position_acceptance", "mean_k", "c", "c_in_loop", "v_k",
+    "ideal_speedup", "efficiency", "ttft_s", "tpot_s", "peak_rss_mb", "identical_outputs",
+    "identical_count", "compared_count", "in_process", "policy",
+)
+
+
+def _spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)} if values else \
+        {"median": None, "min": None, "max": None}
+
+
+def _p(values: list[float | None]) -> dict:
+    return {"p50": percentile(values, 50), "p95": percentile(values, 95)}
+
+
+def per_repeat_tokens_per_s(runs: list[RunResult]) -> list[float]:
+    by_repeat: dict[int, list[RunResult]] = defaultdict(list)
+    for r in runs:
+        by_repeat[r.repeat].append(r)
+    out = []
+    for _, rs in sorted(by_repeat.items()):
+        seconds = sum(r.seconds for r in rs)
+        out.append(sum(r.output_tokens for r in rs) / seconds if seconds > 0 else 0.0)
+    return out
+
+
+def _acceptance(cfg: BenchConfig, runs: list[RunResult]) -> dict:
+    rounds = [rd for r in runs for rd in r.rounds]
+    if rounds:
+        drafted = sum(rd.drafted for rd in rounds)
+        accepted = sum(rd.accepted for rd in rounds)
+        return {"rounds": len(rounds), "drafted_tokens": drafted, "accepted_tokens": accepted,
+                "acceptance_rate": accepted / drafted if drafted else 0.0,
+                "mean_accepted_length": (accepted + len(rounds)) / len(rounds),
+                "per_position_acceptance": per_position_acceptance((rd.drafted, rd.accepted) for rd in rounds)}
+    specs = [r.speculation for r in runs if r.speculation]
+    if specs:  # what a server reported, summed over its requests
+        n = sum(int(s.get("rounds", 0)) for s in specs)
+        drafted = sum(int(s.get("drafted_tokens", 0)) for s in specs)
+        accepted = sum(int(s.get("accepted_tokens", 0)) for s in specs)
+        return {"rounds": n, "drafted_tokens": drafted, "accepted_tokens": accepted,
+                "acceptance_rate": accepted / drafted if drafted else 0.0,
+                "mean_accepted_length": (accepted + n) / n if n else None,
+                "per_position_acceptance": None}
+    plain = not cfg.speculative
+    return {"rounds": None, "drafted_tokens": 0 if plain else None, "accepted_tokens": 0 if plain else None,
+            "acceptance_rate": None, "mean_accepted_length": 1.0 if plain else None,
+            "per_position_acceptance": [] if plain else None}
+
+
+def _c_in_loop(rounds: list, target_step_s: float) -> float | None:
+    """Drafting time per drafted token inside our loop, over a target step."""
+    timed = [rd for rd in rounds if rd.draft_s is not None]
+    drafted = sum(rd.drafted for rd in timed)
+    return sum(rd.draft_s for rd in timed) / drafted / target_step_s if drafted else None
+
+
+def _policy(runs: list[RunResult]) -> dict | None:
+    """The engine policy's summaries added up over runs (adaptive configurations)."""
+    summaries = [r.policy for r in runs if r.policy]
+    if not summaries:
+        return None
+    total: dict = {"fallbacks": 0, "probes": 0, "mode_switches": 0, "k_histogram": {}}
+    for s in summaries:
+        for key in ("fallbacks", "probes", "mode_switches"):
+            total[key] += int(s.get(key, 0))
+        for k, n in (s.get("k_histogram") or {}).items():
+            total["k_histogram"][k] = total["k_histogram"].get(k, 0) + n
+    return total
+
+
+def summarize(
+    cfg: BenchConfig, workload: str, runs: list[RunResult], *, costs: Costs, baseline_tps: float | None,
+    references: dict[str, list[int]], greedy_prompts: set[str],
+) -> dict:
+    """One row of figures for ``cfg`` on ``workload`` (see the module docstring)."""
+    tps = _spread(per_repeat_tokens_per_s(runs))
+    row: dict = {"name": cfg.name, "runner": cfg.runner, "mode": cfg.mode, "k": cfg.k,
+                 "schedule": cfg.schedule, "workload": workload, "in_process": cfg.in_process, "runs": len(runs),
+                 "output_tokens": sum(r.output_tokens for r in runs), "tokens_per_s": tps}
+    row["speedup"] = tps["median"] / baseline_tps if baseline_tps and tps["median"] is not None else None
+    row.update(_acceptance(cfg, runs))
+    rounds = [rd for r in runs for rd in r.rounds]
+    row["mean_k"] = sum(rd.drafted for rd in rounds) / len(rounds) if rounds else None
+    v = interpolate_verify_cost(costs.v)
+    row["c_in_loop"] = _c_in_loop(rounds, costs.target_step_s)
+
+    def c_of(mode: str | None) -> float | None:
+        """c of a drafter: measured directly for a draft model, in the loop otherwise."""
+        if mode in ("draft", "assisted"):
+            return costs.c
+        if mode == "lookup":
+            return 0.0  # transformers' lookup cannot be timed apart: counted as free
+        return _c_in_loop([rd for rd in rounds if rd.mode == mode], costs.target_step_s)
+
+    if not cfg.speculative:
+        row["c"], row["v_k"], row["ideal_speedup"] = None, 1.0, 1.0
+    else:
+        by_mode: dict[str | None, list] = defaultdict(list)
+        for rd in rounds:
+            if rd.drafted:
+                by_mode[rd.mode].append(rd)
+        main_mode = max(by_mode, key=lambda m: sum(rd.drafted for rd in by_mode[m]), default=cfg.mode)
+        row["c"] = c_of(main_mode if cfg.runner != "http" else cfg.mode)
+        row["v_k"] = v(cfg.k) if cfg.k is not None else None
+        if rounds:  # per round: the acceptance and c of the drafter that drafted it
+            a_c = {m: (sum(rd.accepted for rd in rs) / sum(rd.drafted for rd in rs), c_of(m))
+                   for m, rs in by_mode.items()}
+            if any(c is None for _, c in a_c.values()):
+                row["ideal_speedup"] = None
+            else:
+                per_round = (
+                    (a_c[rd.mode][0], rd.drafted, a_c[rd.mode][1]) if rd.drafted else (0.0, 0, 0.0) for rd in rounds
+                )
+                row["ideal_speedup"] = ideal_speedup_rounds(per_round, v)
+        elif cfg.k is not None and row["acceptance_rate"] is not None and row["c"] is not None:
+            row["ideal_speedup"] = ideal_speedup(row["acceptance_rate"], cfg.k, row["c"], v(cfg.k))
+        else:
+            row["ideal_speedup"] = None
+    row["efficiency"] = (
+        row["speedup"] / row["ideal_speedup"] if row["speedup"] is not None and row["ideal_speedup"] else None
+    )
+    row["ttft_s"] = _p([r.ttft_s for r in runs])
+    row["tpot_s"] = _p([r.tpot_s for r in runs])
+    rss = [r.rss_mb for r in runs if r.rss_mb is not None]
+    row["peak_rss_mb"] = max(rss) if rss else None
+    compared = [r for r in runs if r.prompt in greedy_prompts and r.output_ids is not None and r.prompt in references]
+    # A server stops at EOS where in-process runs ignore it: its output must be a prefix.
+    same = sum(bool(r.output_ids) and r.output_ids == references[r.prompt][: len(r.output_ids)] for r in compared)
+    row["identical_count"], row["compared_count"] = same, len(compared)
+    row["identical_outputs"] = (same == len(compared)) if compared else None
+    row["policy"] = _policy(runs)
+    assert set(row) == set(ROW_FIELDS), set(row) ^ set(ROW_FIELDS)
+    return row
+
+
+# --------------------------------------------------------------------------- targets
+
+
+def _best(rows: list[dict], pred) -> dict | None:
+    cands = [r for r in rows if pred(r) and r["tokens_per_s"]["median"] is not None]
+    return max(cands, key=lambda r: r["tokens_per_s"]["median"]) if cands else None
+
+
+def targets(rows: list[dict]) -> list[dict]:
+    """The goals the benchmark reports against (met / not met; never asserted)."""
+    out = []
+    workloads = sorted({r["workload"] for r in rows}, key=[r["workload"] for r in rows].index)
+    for ours_mode, peer_mode, label in (("draft", "assisted", "draft >= transformers assisted"),
+                                        ("ngram", "lookup", "ngram >= transformers prompt lookup")):
+        for w in workloads:
+            wr = [r for r in rows if r["workload"] == w]
+            ours = _best(wr, lambda r: r["runner"] == "ours" and r["mode"] == ours_mode)
+            peer = _best(wr, lambda r: r["runner"] == "hf" and r["mode"] == peer_mode)
+            if ours and peer:
+                a, b = ours["tokens_per_s"]["median"], peer["tokens_per_s"]["median"]
+                out.append({"target": label, "scope": w, "value": a / b, "threshold": 1.0, "met": a >= b,
+                            "detail": f"{ours['name']} {a:.1f} vs {peer['name']} {b:.1f} tok/s"})
+    by_config: dict[str, list[dict]] = defaultdict(list)
+    for r in rows:
+        by_config[r["name"]].append(r)
+    for name, rs in by_config.items():
+        first = rs[0]
+        if first["runner"] == "ours" and first["mode"] != "off":
+            effs = [(r["efficiency"], r["workload"]) for r in rs if r["efficiency"] is not None]
+            if effs:
+                worst, w = min(effs)
+                out.append({"target": "efficiency >= 0.85", "scope": name, "value": worst, "threshold": 0.85,
+                            "met": worst >= 0.85, "detail": f"worst workload: {w}"})
+        if first["mode"] == "auto" and first["runner"] == "ours":
+            sp = [(r["speedup"], r["workload"]) for r in rs if r["speedup"] is not None]
+            if sp:
+                worst, w = min(sp)
+                out.append({"target": "auto >= 0.95x plain", "scope": name, "value": worst, "threshold": 0.95,
+                            "met": worst >= 0.95, "detail": f"worst workload: {w}"})
+        if first["runner"] == "http":
+            ratios = []
+            for r in rs:
+                twin = next((t for t in rows if t["workload"] == r["workload"] and t["runner"] == "ours"
+                             and t["name"] == r.get("in_process")), None)
+                if twin and twin["tokens_per_s"]["median"] and r["tokens_per_s"]["median"] is not None:
+                    ratios.append((r["tokens_per_s"]["median"] / twin["tokens_per_s"]["median"], r["workload"]))
+            if ratios:
+                worst, w = min(ratios)
+                out.append({"target": "HTTP single stream >= 0.85x in-process", "scope": name, "value": worst,
+                            "threshold": 0.85, "met": worst >= 0.85, "detail": f"worst workload: {w}"})
+    return out
+
+
+# --------------------------------------------------------------------------- terminal
+
+
+def _f(x, fmt: str = ".2f", none: str = "-") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return none
+    return format(x, fmt)
+
+
+def _ms(x) -> str:
+    return _f(x * 1000 if x is not None else None, ".1f")
+
+
+HEADER = ("config", "tok/s", "min-max", "speedup", "accept", "len", "c", "v(k)", "ideal", "eff",
+          "TTFT p50", "TPOT p50", "p95", "RSS MB", "same")
+
+
+def format_table(rows: list[dict]) -> str:
+    """Rows grouped by workload, one line per configuration."""
+    lines = []
+    widths = (22, 8, 13, 7, 6, 5, 5, 5, 5, 5, 8, 8, 6, 7, 5)
+    fmt = "  ".join(f"{{:{'<' if i == 0 else '>'}{w}}}" for i, w in enumerate(widths))
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    for w in workloads:
+        lines.append(f"== {w} ==")
+        lines.append(fmt.format(*HEADER))
+        for r in (r for r in rows if r["workload"] == w):
+            t = r["tokens_per_s"]
+            same = "-" if r["identical_outputs"] is None else f"{r['identical_count']}/{r['compared_count']}"
+            lines.append(fmt.format(
+                r["name"], _f(t["median"], ".1f"), f"{_f(t['min'], '.1f')}-{_f(t['max'], '.1f')}",
+                _f(r["speedup"]), _f(r["acceptance_rate"]), _f(r["mean_accepted_length"]), _f(r["c"]),
+                _f(r["v_k"]), _f(r["ideal_speedup"]), _f(r["efficiency"]), _ms(r["ttft_s"]["p50"]),
+                _ms(r["tpot_s"]["p50"]), _ms(r["tpot_s"]["p95"]), _f(r["peak_rss_mb"], ".0f"), same,
+            ))
+        lines.append("")
+    return "\n".join(lines)
+
+
+def format_targets(items: list[dict]) -> str:
+    lines = ["== targets =="]
+    for t in items:
+        mark = "met" if t["met"] else "NOT MET"
+        lines.append(f"  [{mark:>7}] {t['target']:<40} {t['scope']:<22} {t['value']:.2f} "
+                     f"(threshold {t['threshold']:.2f}; {t['detail']})")
+    if not items:
+        lines.append("  (no target could be evaluated with these configurations)")
+    return "\n".join(lines)
+
+
+def format_concurrency(rows: list[dict]) -> str:
+    lines = ["== HTTP concurrency ==",
+             f"  {'conc':>4}  {'reqs':>4}  {'err':>3}  {'tok/s':>8}  {'stream tok/s':>12}  {'TTFT p50':>8}  "
+             f"{'TTFT p95':>8}  {'TPOT p50':>8}  {'TPOT p95':>8}"]
+    for r in rows:
+        lines.append(
+            f"  {r['concurrency']:>4}  {r['requests']:>4}  {r['errors']:>3}  {_f(r['tokens_per_s'], '.1f'):>8}  "
+            f"{_f(r['per_stream_tokens_per_s_p50'], '.1f'):>12}  {_ms(r['ttft_s']['p50']):>8}  "
+            f"{_ms(r['ttft_s']['p95']):>8}  {_ms(r['tpot_s']['p50']):>8}  {_ms(r['tpot_s']['p95']):>8}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,301 @@
+"""``specdec bench``: every configuration on the same pair and prompts, in one process.
+
+Order of work:
+
+1. load the pair once (``Engine.load``); transformers' runs use the very same model objects;
+2. build the seeded prompt sets and the configuration list;
+3. time ``c`` and ``v(k)`` directly on the models (``costs``);
+4. warm every configuration up once (a configuration that fails here is skipped, with why);
+5. for each repeat, for each prompt, run every configuration, rotating the order per
+   prompt, so machine noise (another job, thermal drift) hits all configurations alike;
+6. optionally sweep concurrency over HTTP;
+7. reduce to rows (``report``), check the targets, print, write JSON and plots.
+
+Every run ignores EOS and produces exactly ``max_tokens`` tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import shutil
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from specdec.bench.configs import HF_LOOKUP_DEFAULT_TOKENS, BenchConfig, build_configs
+from specdec.bench.costs import measure_costs
+from specdec.bench.inproc import RunResult, peak_rss_mb, run_hf, run_ours
+from specdec.bench.options import BenchOptions
+from specdec.bench.report import (
+    format_concurrency,
+    format_table,
+    format_targets,
+    per_repeat_tokens_per_s,
+    summarize,
+    targets,
+)
+from specdec.bench.workloads import Prompt, build_prompts, stdlib_code_files
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+WARMUP_TOKENS = 8
+
+
+def specdec_home() -> Path:
+    return Path(os.environ.get("SPECDEC_HOME") or (Path.home() / ".cache" / "specdec")).expanduser()
+
+
+def tiny_pair(arch: str = "llama") -> dict[str, Path]:
+    """The tiny pair under ``$SPECDEC_HOME/tiny/{arch}``: built in a temp dir, renamed into place."""
+    from specdec.tiny import build_tiny_pair
+
+    root = specdec_home() / "tiny" / arch
+    paths = {"target": root / "target", "draft": root / "draft"}
+    if all((p / "config.json").is_file() and (p / "model.safetensors").is_file() for p in paths.values()):
+        return paths
+    tmp = root.parent / f".{arch}.build-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    build_tiny_pair(tmp, arch)
+    shutil.rmtree(root, ignore_errors=True)
+    tmp.rename(root)
+    return paths
+
+
+def resolve_models(opts: BenchOptions) -> tuple[str, str | None]:
+    if opts.target:
+        return opts.target, opts.draft
+    if opts.tiny:
+        paths = tiny_pair()
+    else:
+        from specdec.demo import build_demo_models, demo_paths
+
+        build_demo_models()  # returns at once when cached
+        paths = demo_paths()
+    return str(paths["target"]), opts.draft or str(paths["draft"])
+
+
+class Bench:
+    """The loaded pair and the ways of running one (configuration, prompt)."""
+
+    def __init__(self, opts: BenchOptions):
+        from specdec.config import ModelConfig
+        from specdec.engine import Engine
+
+        self.opts = opts
+        self.target_path, self.draft_path = resolve_models(opts)
+        self.engine = Engine.load(ModelConfig(
+            target=self.target_path, draft=self.draft_path, dtype=opts.dtype, draft_dtype=opts.draft_dtype
+        ))
+        self.engine.eos_token_ids = frozenset()  # every run makes exactly max_tokens tokens
+        self.tokenizer = self.engine.tokenizer
+        self.target_model = self.engine.target.runner.model
+        drafter = self.engine.drafters.get("draft")
+        self.draft_model = drafter.runner.model if drafter is not None else None
+        pad = self.tokenizer.pad_token_id
+        self.pad_token_id = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
+        self.client = None
+        if opts.url:
+            from specdec.bench.client import CompletionClient
+
+            self.client = CompletionClient(opts.url, model=opts.model_name, extra_body=opts.http_extra)
+
+    def unavailable(self, cfg: BenchConfig) -> str | None:
+        if cfg.runner == "ours":
+            try:
+                self.engine.resolve_mode(cfg.mode)
+            except ValueError as exc:
+                return str(exc)
+        if cfg.runner == "hf" and cfg.needs_draft_model and self.draft_model is None:
+            return "no draft model"
+        return None
+
+    def run(self, cfg: BenchConfig, prompt: Prompt, max_tokens: int, repeat: int) -> RunResult:
+        if cfg.runner == "ours":
+            return run_ours(self.engine, cfg, prompt, max_tokens, repeat)
+        if cfg.runner == "hf":
+            return run_hf(self.target_model, self.draft_model, cfg, prompt, max_tokens, repeat, self.pad_token_id)
+        from specdec.bench.client import run_http
+
+        return run_http(self.client, cfg, prompt, max_tokens, repeat)
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+
+
+def _cost_context(prompts: list[Prompt]) -> list[int]:
+    """The median-length prompt: costs are measured at a context the runs actually see."""
+    lengths = sorted(prompts, key=lambda p: len(p.ids))
+    return lengths[len(lengths) // 2].ids
+
+
+def _progress(total: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="bench", unit="run", file=sys.stderr, disable=None)
+
+
+def run_bench(opts: BenchOptions) -> dict:
+    """Run the benchmark; return the report (what ``--out`` writes)."""
+    import transformers
+
+    started = time.perf_counter()
+    threads, verbosity = torch.get_num_threads(), transformers.logging.get_verbosity()
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    transformers.logging.set_verbosity_error()  # assisted generation warns on every call
+    try:
+        bench = Bench(opts)
+        try:
+            return _run(bench, opts, started)
+        finally:
+            bench.close()
+    finally:
+        torch.set_num_threads(threads)
+        transformers.logging.set_verbosity(verbosity)
+
+
+def _run(bench: Bench, opts: BenchOptions, started: float) -> dict:
+    max_len = bench.engine.max_length
+    max_prompt = opts.max_prompt_tokens
+    if max_len:
+        max_prompt = min(max_prompt, max_len - opts.max_tokens - 1)
+        if max_prompt < 16:
+            raise ValueError(f"--max-tokens {opts.max_tokens} leaves no room for a prompt in {max_len} positions")
+    prompts = build_prompts(bench.tokenizer, opts.workloads, opts.prompts, max_prompt_tokens=max_prompt, seed=opts.seed)
+    if not prompts:
+        raise ValueError("no prompt fits: raise --max-prompt-tokens or lower --max-tokens")
+    skipped: list[dict] = []
+    active: list[BenchConfig] = []
+    for cfg in build_configs(opts.ks, quick=opts.quick, http=bool(opts.url), only=opts.only):
+        reason = bench.unavailable(cfg)
+        (skipped.append({"name": cfg.name, "reason": reason}) if reason else active.append(cfg))
+
+    log.info("measuring c and v(k) on a %d-token context", len(_cost_context(prompts)))
+    # v(k) at every k the runs use: --ks, the policy's largest k, transformers' lookup default.
+    k_max = getattr(getattr(bench.engine, "policy", None), "k_max", 8)
+    cost_ks = sorted(set(range(1, max(opts.ks) + 1)) | {k_max, HF_LOOKUP_DEFAULT_TOKENS})
+    costs = measure_costs(bench.target_model, bench.draft_model, _cost_context(prompts), cost_ks,
+                          reps=opts.cost_reps)
+
+    # Warm-up: first calls pay one-off costs; a configuration that cannot run at all goes.
+    for cfg in list(active):
+        try:
+            bench.run(cfg, prompts[0], min(WARMUP_TOKENS, opts.max_tokens), repeat=-1)
+        except Exception as exc:
+            log.warning("skipping %s: %s: %s", cfg.name, type(exc).__name__, exc)
+            skipped.append({"name": cfg.name, "reason": f"{type(exc).__name__}: {exc}"})
+            active.remove(cfg)
+
+    results: dict[str, list[RunResult]] = defaultdict(list)
+    with _progress(opts.repeats * len(prompts) * len(active)) as bar:
+        for repeat in range(opts.repeats):
+            for p_index, prompt in enumerate(prompts):
+                shift = (repeat * len(prompts) + p_index) % max(len(active), 1)
+                for cfg in active[shift:] + active[:shift]:
+                    if any(s["name"] == cfg.name for s in skipped):
+                        continue
+                    try:
+                        results[cfg.name].append(bench.run(cfg, prompt, opts.max_tokens, repeat))
+                    except Exception as exc:
+                        log.warning("dropping %s after a failed run: %s: %s", cfg.name, type(exc).__name__, exc)
+                        skipped.append({"name": cfg.name, "reason": f"{type(exc).__name__}: {exc}"})
+                        results.pop(cfg.name, None)
+                    bar.update(1)
+    active = [c for c in active if c.name in results]
+
+    concurrency = None
+    if bench.client is not None:
+        from specdec.bench.client import concurrency_sweep
+
+        # auto picks k itself (as the http-auto configuration asks); a fixed mode runs at the middle k.
+        k = None if opts.http_mode == "auto" else sorted(opts.ks)[len(opts.ks) // 2]
+        concurrency = {
+            "mode": opts.http_mode, "k": k,
+            "levels": concurrency_sweep(
+                bench.client.url, bench.client.model, prompts, list(opts.concurrency),
+                requests_per_stream=opts.requests_per_stream, max_tokens=opts.max_tokens,
+                mode=opts.http_mode, k=k, extra_body=opts.http_extra,
+            ),
+        }
+
+    references = {r.prompt: r.output_ids for r in results.get("off", []) if r.repeat == 0}
+    greedy = {p.key for p in prompts if p.temperature == 0}
+    rows = []
+    for workload in opts.workloads:
+        off_runs = [r for r in results.get("off", []) if r.workload == workload]
+        if not off_runs:
+            continue
+        baseline = statistics.median(per_repeat_tokens_per_s(off_runs))
+        for cfg in active:
+            runs = [r for r in results[cfg.name] if r.workload == workload]
+            if runs:
+                rows.append(summarize(cfg, workload, runs, costs=costs, baseline_tps=baseline,
+                                      references=references, greedy_prompts=greedy))
+    policy = getattr(bench.engine, "policy", None)
+    return {
+        "schema": SCHEMA_VERSION,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "elapsed_s": time.perf_counter() - started,
+        "options": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(opts).items()},
+        "models": {"target": bench.target_path, "draft": bench.draft_path, "dtype": opts.dtype,
+                   "draft_dtype": opts.draft_dtype, "drafters": sorted(bench.engine.drafters),
+                   "policy": policy.model_dump() if hasattr(policy, "model_dump") else None},
+        "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                    "torch": torch.__version__, "transformers": _version("transformers"),
+                    "python": platform.python_version(), "platform": platform.platform()},
+        "costs": costs.to_dict(),
+        "workloads": {w: _workload_info([p for p in prompts if p.workload == w]) for w in opts.workloads},
+        "code_files_held_out": stdlib_code_files(opts.seed)[1],
+        "configurations": rows,
+        "skipped": skipped,
+        "http": {"url": opts.url, "model": bench.client.model if bench.client else None,
+                 "concurrency": concurrency} if opts.url else None,
+        "targets": targets(rows),
+        "peak_rss_mb": peak_rss_mb(),
+    }
+
+
+def _workload_info(prompts: list[Prompt]) -> dict:
+    return {"prompts": len(prompts), "temperature": prompts[0].temperature if prompts else None,
+            "mean_prompt_tokens": statistics.mean(len(p.ids) for p in prompts) if prompts else None}
+
+
+def _version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
+def render(report: dict) -> str:
+    """The terminal view of a report."""
+    parts = [
+        f"specdec bench: target {report['models']['target']} ({report['models']['dtype']}), "
+        f"draft {report['models']['draft']} ({report['models']['draft_dtype']}); "
+        f"drafters: {', '.join(report['models']['drafters'])}",
+        "costs: target step {:.2f} ms, c = {}, v(k) = {} (context {} tokens)".format(
+            report["costs"]["target_step_s"] * 1000,
+            "-" if report["costs"]["c"] is None else f"{report['costs']['c']:.3f}",
+            ", ".join(f"{k}:{v:.2f}" for k, v in report["costs"]["v"].items() if k != "0"),
+            report["costs"]["context_tokens"],
+        ),
+        "",
+        format_table(report["configurations"]),
+    ]
+    if report["http"] and report["http"]["concurrency"]:
+        parts += [format_concurrency(report["http"]["concurrency"]["levels"]), ""]
+    parts.append(format_targets(report["targets"]))
+    for s in report["skipped"]:
+        parts.append(f"skipped {s['name']}: {s['reason']}")
+    parts.append(f"elapsed {report['elapsed_s']:.0f} s, peak RSS {report['peak_rss_mb']:.0f} MB")
+    return "\n".join(parts)

@@ -1,0 +1,364 @@
+"""specdec bench: the ideal-speedup math, SSE parsing and the HTTP client against a fake
+server, and a whole ``--quick --tiny`` run through the CLI."""
+
+import json
+import logging
+import shutil
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from specdec.bench import configs as configs_mod
+from specdec.bench.client import CompletionClient, concurrency_sweep, run_http
+from specdec.bench.configs import BenchConfig, build_configs
+from specdec.bench.ideal import (
+    expected_tokens_per_round,
+    ideal_speedup,
+    ideal_speedup_rounds,
+    interpolate_verify_cost,
+    per_position_acceptance,
+    percentile,
+)
+from specdec.bench.report import ROW_FIELDS
+from specdec.bench.sse import completion_chunks, sse_data, stream_timing
+from specdec.bench.workloads import Prompt
+from specdec.cli import main
+
+# --------------------------------------------------------------------------- the math
+
+
+def test_ideal_speedup_hand_computed():
+    # The docstring's worked example: E = 0.92224 / 0.4 = 2.3056, cost = 4 * 0.1 + 1.1 = 1.5.
+    assert ideal_speedup(0.6, 4, 0.1, 1.1) == pytest.approx(2.3056 / 1.5)
+    # a = 0: every round pays for k drafts and emits one token.
+    assert ideal_speedup(0.0, 3, 0.2, 1.1) == pytest.approx(1 / (3 * 0.2 + 1.1))
+    # a -> 1: k + 1 tokens per round, continuous at the limit.
+    assert ideal_speedup(1.0, 3, 0.2, 1.1) == pytest.approx(4 / 1.7)
+    assert ideal_speedup(1 - 1e-9, 3, 0.2, 1.1) == pytest.approx(4 / 1.7, rel=1e-6)
+    # k = 0 is plain decoding.
+    assert ideal_speedup(0.7, 0, 0.2, 1.0) == 1.0
+    assert expected_tokens_per_round(0.5, 2) == pytest.approx(1.75)  # 1 + 0.5 + 0.25
+    with pytest.raises(ValueError):
+        expected_tokens_per_round(1.5, 2)
+
+
+def test_ideal_speedup_over_rounds_that_differ():
+    v = {2: 1.2, 4: 1.4}
+    # Identical rounds reduce to the fixed-k formula.
+    assert ideal_speedup_rounds([(0.6, 4, 0.1)] * 3, v) == pytest.approx(ideal_speedup(0.6, 4, 0.1, 1.4))
+    # A plain step (k = 0: 1 token, cost 1) and a k = 2 round at a = 0.5 (E = 1.75, cost 0.2 + 1.2).
+    assert ideal_speedup_rounds([(0.0, 0, 0.0), (0.5, 2, 0.1)], v) == pytest.approx((1 + 1.75) / (1 + 1.4))
+    # Rounds of two drafters, each with its own a and c: E = 1 + 0.9 + 0.81 = 2.71 at cost 0.02 + 1.2.
+    assert ideal_speedup_rounds([(0.5, 2, 0.1), (0.9, 2, 0.01)], v) == pytest.approx(
+        (1.75 + 2.71) / (1.4 + 1.22))
+    assert ideal_speedup_rounds([], v) == 1.0
+
+
+def test_per_position_acceptance_and_helpers():
+    # Position i counts rounds that drafted > i; accepted iff accepted > i.
+    assert per_position_acceptance([(2, 2), (2, 0), (3, 1)]) == pytest.approx([2 / 3, 1 / 3, 0.0])
+    assert per_position_acceptance([(0, 0)]) == []
+    with pytest.raises(ValueError):
+        per_position_acceptance([(2, 3)])
+    v = interpolate_verify_cost({2: 1.2, 4: 1.6})
+    assert (v(0), v(1), v(2), v(3), v(4), v(6)) == pytest.approx((1.0, 1.1, 1.2, 1.4, 1.6, 2.0))
+    assert percentile([4.0, 1.0, 3.0, 2.0], 50) == pytest.approx(2.5)
+    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 95) == pytest.approx(4.8)
+    assert percentile([None], 50) is None
+
+
+# --------------------------------------------------------------------------- SSE
+
+
+def test_sse_parsing():
+    lines = [
+        ": keep-alive comment", "event: completion", 'data: {"choices": [{"text": "a"}]}', "",
+        "data: {\"choices\": [", 'data: {"text": "b"}]}\r', "",  # one event over two data lines
+        "data: [DONE]", "", 'data: {"choices": [{"text": "after done"}]}', "",
+    ]
+    assert list(sse_data(lines))[:2] == ['{"choices": [{"text": "a"}]}', '{"choices": [\n{"text": "b"}]}']
+    chunks = list(completion_chunks(lines))
+    assert [c["choices"][0]["text"] for c in chunks] == ["a", "b"]  # nothing after [DONE]
+    with pytest.raises(RuntimeError, match="without"):  # a stream cut short is not a result
+        list(completion_chunks(lines[:4]))
+    with pytest.raises(RuntimeError, match="overloaded"):
+        list(completion_chunks(['data: {"error": {"message": "overloaded"}}', ""]))
+
+
+def test_stream_timing_worked_example():
+    chunks = [
+        (10.2, {"choices": [{"text": "Hel"}]}),
+        (10.3, {"choices": [{"text": "lo"}]}),
+        (10.5, {"choices": [{"text": "!", "finish_reason": "length"}]}),
+        (10.6, {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 5},
+                "speculation": {"mode": "ngram", "acceptance_rate": 0.5}}),
+    ]
+    t = stream_timing(10.0, chunks)
+    assert t.ttft_s == pytest.approx(0.2)
+    assert t.tpot_s == pytest.approx(0.3 / 4)  # last text chunk - first, over tokens - 1
+    assert t.total_s == pytest.approx(0.6)
+    assert (t.completion_tokens, t.prompt_tokens, t.text, t.finish_reason) == (5, 3, "Hello!", "length")
+    assert t.speculation == {"mode": "ngram", "acceptance_rate": 0.5}
+    # Without usage, text chunks are counted.
+    assert stream_timing(0.0, chunks[:3]).completion_tokens == 3
+
+
+# --------------------------------------------------------------------------- HTTP
+
+
+class FakeServer(BaseHTTPRequestHandler):
+    """An OpenAI-style completions server that streams 4 tokens in 3 chunks."""
+
+    protocol_version = "HTTP/1.0"
+    FIRST_DELAY_S = 0.05
+    bodies: list = []
+
+    def log_message(self, *args):
+        pass
+
+    def _send(self, status, payload):
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        if self.path == "/v1/models":
+            self._send(200, {"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+        else:
+            self._send(404, {"error": {"message": "not found"}})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        FakeServer.bodies.append(body)
+        if body["prompt"] == "bad":
+            self._send(400, {"error": {"message": "bad prompt"}})
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+
+        def send(payload):
+            self.wfile.write(f"data: {json.dumps(payload)}\n\n".encode())
+            self.wfile.flush()
+
+        def event(text, ids, finish=None):
+            choice = {"index": 0, "text": text, "finish_reason": finish}
+            if body.get("return_token_ids"):
+                choice["token_ids"] = ids
+            send({"choices": [choice]})
+
+        self.wfile.write(b": ping\n\n")
+        time.sleep(self.FIRST_DELAY_S)
+        event("one", [11])
+        time.sleep(0.01)
+        event(" two three", [12, 13])  # a round that produced 2 tokens
+        time.sleep(0.01)
+        event(" four", [14])
+        if body["prompt"] == "cut":  # the connection drops before the end of the stream
+            return
+        send({"choices": [{"index": 0, "text": "", "finish_reason": "length"}],
+              "usage": {"prompt_tokens": 7, "completion_tokens": 4, "total_tokens": 11},
+              "speculation": {"mode": body["speculation"]["mode"], "rounds": 3, "drafted_tokens": 4,
+                              "accepted_tokens": 1, "acceptance_rate": 0.25, "mean_accepted_length": 4 / 3}})
+        self.wfile.write(b"data: [DONE]\n\n")
+        self.wfile.flush()
+
+
+@pytest.fixture
+def fake_url():
+    FakeServer.bodies = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeServer)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def _prompt(text="hello", temperature=0.0):
+    return Prompt(workload="chat", index=0, text=text, ids=[1, 2], temperature=temperature, seed=7)
+
+
+def test_client_streams_and_times_against_a_fake_server(fake_url):
+    with CompletionClient(fake_url, extra_body={"ignore_eos": True}) as client:
+        assert client.model == "fake-model"  # from GET /v1/models
+        timing = client.complete(_prompt(), 4, "draft", 3)
+        client.extra_body["return_token_ids"] = False
+        no_ids = client.complete(_prompt(), 4, "auto", None)
+        del client.extra_body["return_token_ids"]
+        result = run_http(client, BenchConfig("http-ngram-k2", "http", "ngram", 2), _prompt(temperature=1.0), 4, 0)
+        with pytest.raises(RuntimeError, match="HTTP 400"):
+            client.complete(_prompt("bad"), 4, "off", None)
+        with pytest.raises(RuntimeError, match="without"):
+            client.complete(_prompt("cut"), 4, "off", None)
+    assert timing.finish_reason == "length"
+    assert timing.text == "one two three four" and timing.token_ids == [11, 12, 13, 14]
+    assert timing.completion_tokens == 4 and timing.prompt_tokens == 7
+    assert no_ids.token_ids is None and no_ids.text == timing.text
+    assert timing.ttft_s >= FakeServer.FIRST_DELAY_S  # the server held the first token back
+    assert timing.tpot_s > 0 and timing.total_s >= timing.ttft_s
+    assert timing.speculation["acceptance_rate"] == 0.25 and timing.speculation["mode"] == "draft"
+    assert FakeServer.bodies[0] == {
+        "model": "fake-model", "prompt": "hello", "max_tokens": 4, "temperature": 0.0, "stream": True,
+        "speculation": {"mode": "draft", "num_speculative_tokens": 3}, "return_token_ids": True,
+        "ignore_eos": True,
+    }
+    assert FakeServer.bodies[1]["speculation"] == {"mode": "auto"}  # adaptive: k left to the server
+    assert FakeServer.bodies[2]["seed"] == 7 and FakeServer.bodies[2]["speculation"]["mode"] == "ngram"
+    assert FakeServer.bodies[3]["speculation"] == {"mode": "off"}
+    assert len(FakeServer.bodies) == 5
+    assert (result.output_tokens, result.output_ids, result.speculation["rounds"]) == (4, [11, 12, 13, 14], 3)
+    assert result.ttft_s >= FakeServer.FIRST_DELAY_S
+
+
+def test_concurrency_sweep_against_a_fake_server(fake_url):
+    prompts = [_prompt("a"), _prompt("bad"), _prompt("c")]
+    rows = concurrency_sweep(fake_url, "fake-model", prompts, [1, 2], requests_per_stream=3, max_tokens=4,
+                             mode="auto", k=4)
+    assert [r["concurrency"] for r in rows] == [1, 2]
+    # Every stream sends 3 requests cycling over the prompts; each "bad" one fails and is counted.
+    assert [(r["requests"], r["errors"]) for r in rows] == [(2, 1), (4, 2)]
+    for r in rows:
+        assert r["output_tokens"] == 4 * r["requests"]
+        assert r["tokens_per_s"] > 0 and r["ttft_s"]["p50"] >= FakeServer.FIRST_DELAY_S
+        assert "HTTP 400" in r["first_error"]
+    assert len(FakeServer.bodies) == 3 + 6
+
+
+# --------------------------------------------------------------------------- configurations
+
+
+def test_config_list_and_filters(monkeypatch):
+    names = [c.name for c in build_configs((4,), quick=True, http=False)]
+    assert names == ["off", "draft-k4", "ngram-k4", "draft-adaptive", "auto", "hf-plain", "hf-assisted-k4",
+                     "hf-assisted-heuristic", "hf-lookup-k10"]
+    full = build_configs((2, 4, 6), quick=False, http=True)
+    assert {"draft-k2", "draft-k6", "ngram-k6", "ngram-adaptive", "hf-assisted-default", "hf-lookup-k2",
+            "http-off", "http-draft-k4", "http-auto"} <= {c.name for c in full}
+    http_auto = next(c for c in full if c.name == "http-auto")
+    assert (http_auto.k, http_auto.schedule, http_auto.in_process) == (None, "adaptive", "auto")
+    assert [c.name for c in build_configs((4,), quick=True, http=False, only=["ngram*"])] == ["off", "ngram-k4"]
+    # A new mode is one line in OUR_MODES.
+    monkeypatch.setitem(configs_mod.OUR_MODES, "early_exit", ("fixed", "adaptive"))
+    names = [c.name for c in build_configs((2, 4), quick=True, http=False)]
+    assert {"early_exit-k2", "early_exit-k4", "early_exit-adaptive"} <= set(names)
+
+
+# --------------------------------------------------------------------------- the whole run
+
+
+@pytest.fixture
+def tiny_home(tmp_path, monkeypatch, llama_pair):
+    """$SPECDEC_HOME with the session's tiny Llama pair where ``--tiny`` looks for it."""
+    root = tmp_path / "home" / "tiny" / "llama"
+    for name in ("target", "draft"):
+        shutil.copytree(llama_pair[name], root / name)
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
+    return tmp_path
+
+
+def test_quick_tiny_run_writes_every_field(tiny_home, capsys):
+    from transformers.generation import candidate_generator as cg
+
+    original_hook = vars(cg.AssistedCandidateGenerator)["update_candidate_strategy"]
+    out = tiny_home / "bench.json"
+    rc = main(["bench", "--quick", "--tiny", "--dtype", "float32", "--threads", "1", "--prompts", "1",
+               "--repeats", "1", "--max-tokens", "8", "--cost-reps", "3", "--out", str(out), "--no-plots"])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    table = capsys.readouterr().out
+    assert "== grounded ==" in table and "== targets ==" in table
+
+    expected = [c.name for c in build_configs((4,), quick=True, http=False)]
+    assert report["skipped"] == []
+    assert report["models"]["drafters"] == ["draft", "ngram"]
+    # v(k) at --ks and below, the policy's k_max (8) and transformers' lookup default (10).
+    assert report["costs"]["c"] > 0 and set(report["costs"]["v"]) == {"0", "1", "2", "3", "4", "8", "10"}
+    rows = report["configurations"]
+    for workload in ("chat", "code", "grounded", "sampling"):
+        assert [r["name"] for r in rows if r["workload"] == workload] == expected
+    for r in rows:
+        assert set(r) == set(ROW_FIELDS), r["name"]
+        assert r["runs"] == 1 and r["output_tokens"] == 8  # EOS ignored: exactly max_tokens
+        assert r["tokens_per_s"]["min"] <= r["tokens_per_s"]["median"] <= r["tokens_per_s"]["max"]
+        assert r["tokens_per_s"]["median"] > 0 and r["ttft_s"]["p50"] > 0 and r["peak_rss_mb"] > 0
+        greedy = r["workload"] != "sampling"
+        if r["runner"] == "ours" or r["name"] == "hf-plain":
+            # fp32: speculative greedy output is token-identical to plain decoding.
+            assert r["identical_outputs"] is (True if greedy else None), r["name"]
+        if r["name"] == "off":
+            assert r["speedup"] == 1.0 and r["mean_accepted_length"] == 1.0 and r["efficiency"] == 1.0
+        if r["runner"] in ("ours", "hf") and r["mode"] not in ("off", "plain"):
+            assert r["rounds"] > 0 and 0.0 <= r["acceptance_rate"] <= 1.0, r["name"]
+            assert r["mean_accepted_length"] == pytest.approx(1 + r["accepted_tokens"] / r["rounds"])
+            assert r["ideal_speedup"] > 0 and r["efficiency"] == pytest.approx(r["speedup"] / r["ideal_speedup"])
+            assert len(r["per_position_acceptance"]) <= max(r["k"] or 8, 8)
+        if r["name"] in ("draft-k4", "hf-assisted-k4"):
+            assert r["drafted_tokens"] > 0 and len(r["per_position_acceptance"]) == 4 and r["mean_k"] <= 4
+            assert r["c"] == report["costs"]["c"] and r["v_k"] == pytest.approx(report["costs"]["v"]["4"])
+        if r["schedule"] == "adaptive":
+            # k is the engine policy's to choose; its summary (k histogram, fallbacks) is kept.
+            assert r["k"] is None and r["v_k"] is None and set(r["policy"]) >= {"k_histogram", "fallbacks"}
+    assert {t["target"] for t in report["targets"]} >= {
+        "draft >= transformers assisted", "ngram >= transformers prompt lookup", "efficiency >= 0.85",
+        "auto >= 0.95x plain"}
+    # The transformers hook used to count assisted rounds is restored.
+    assert vars(cg.AssistedCandidateGenerator)["update_candidate_strategy"] is original_hook
+
+
+def test_plots_are_optional(monkeypatch, tmp_path, caplog):
+    from specdec.bench import plots
+
+    report = {"configurations": [
+        {"name": "off", "runner": "ours", "workload": "chat", "speedup": 1.0, "per_position_acceptance": []},
+        {"name": "draft-k2", "runner": "ours", "workload": "chat", "speedup": 1.4,
+         "per_position_acceptance": [0.7, 0.5]},
+    ], "http": None}
+    monkeypatch.setattr(plots, "_pyplot", lambda: None)
+    with caplog.at_level(logging.WARNING):
+        assert plots.write_plots(report, tmp_path) == []
+    assert "matplotlib is not installed" in caplog.text
+    monkeypatch.undo()
+    pytest.importorskip("matplotlib")
+    written = plots.write_plots(report, tmp_path, "x")
+    assert [p.name for p in written] == ["x_speedup.png", "x_acceptance.png"]
+    assert all(p.stat().st_size > 1000 for p in written)
+
+
+def test_quick_tiny_run_with_a_server(tiny_home, fake_url, capsys):
+    """--url: single-stream HTTP configurations interleaved with their in-process twins, then
+    the concurrency sweep (against the fake server: 4 tokens whatever is asked)."""
+    out = tiny_home / "bench_http.json"
+    rc = main(["bench", "--quick", "--tiny", "--dtype", "float32", "--threads", "1", "--prompts", "1",
+               "--repeats", "1", "--max-tokens", "6", "--cost-reps", "2", "--workloads", "chat,sampling",
+               "--only", "http-*", "--only", "draft-k4", "--only", "auto", "--url", fake_url,
+               "--concurrency", "1,2", "--out", str(out), "--no-plots"])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert "== HTTP concurrency ==" in capsys.readouterr().out
+    names = [r["name"] for r in report["configurations"] if r["workload"] == "chat"]
+    assert names == ["off", "draft-k4", "auto", "http-off", "http-draft-k4", "http-ngram-k4", "http-auto"]
+    http = [r for r in report["configurations"] if r["runner"] == "http"]
+    for r in http:
+        assert set(r) == set(ROW_FIELDS)
+        assert r["output_tokens"] == 4 and r["tokens_per_s"]["median"] > 0
+        assert r["ttft_s"]["p50"] >= FakeServer.FIRST_DELAY_S
+        if r["mode"] != "off":  # from the server's speculation object
+            assert r["acceptance_rate"] == 0.25 and r["mean_accepted_length"] == pytest.approx(4 / 3)
+        # The fake's token ids are not the model's: a real mismatch is reported as such.
+        assert r["identical_outputs"] is (False if r["workload"] == "chat" else None)
+    http_draft = next(r for r in http if r["name"] == "http-draft-k4")
+    assert http_draft["ideal_speedup"] > 0 and http_draft["c"] == report["costs"]["c"]
+    assert report["http"]["model"] == "fake-model"
+    levels = report["http"]["concurrency"]["levels"]
+    assert [(lv["concurrency"], lv["requests"], lv["errors"]) for lv in levels] == [(1, 1, 0), (2, 2, 0)]
+    assert {t["scope"] for t in report["targets"] if t["target"].startswith("HTTP")} == {
+        "http-off", "http-draft-k4", "http-auto"}  # http-ngram-k4 has no in-process twin here
+    sent = {json.dumps(b["speculation"], sort_keys=True) for b in FakeServer.bodies}
+    assert sent == {'{"mode": "off"}', '{"mode": "draft", "num_speculative_tokens": 4}',
+                    '{"mode": "ngram", "num_speculative_tokens": 4}', '{"mode": "auto"}'}
