@@ -43,8 +43,18 @@ def build_unit(args: dict | UnitArgs, **options) -> Application:
 
 
 def build_app(args: dict) -> Application:
-    """Validate ``args`` (unknown keys are an error) and bind Ingress -> SpecRouter."""
+    """The ``import_path`` builder: Serve calls it with the config's ``args`` alone."""
+    return bind_app(args)
+
+
+def bind_app(args: dict, **router_options) -> Application:
+    """Validate ``args`` (unknown keys are an error) and bind Ingress -> SpecRouter.
+
+    ``router_options`` (``user_config``, ``num_replicas``, ...) are for Python callers;
+    serve_config.yaml sets them under ``deployments:``.
+    """
     parsed = AppArgs.model_validate(args)
     unit = UnitArgs.model_validate(parsed.model_dump(exclude={"ingress_cpus"}))
     name = resolve_models(parsed.models).name
-    return Ingress.options(ray_actor_options={"num_cpus": parsed.ingress_cpus}).bind(build_unit(unit), name)
+    router = build_unit(unit, **router_options)
+    return Ingress.options(ray_actor_options={"num_cpus": parsed.ingress_cpus}).bind(router, name)

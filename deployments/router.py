@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -22,6 +23,7 @@ from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from deployments.config import UnitArgs
+from deployments.metrics import UnitMetrics
 from deployments.workers import DraftWorker, RemoteDrafter, RemoteTarget, TargetWorker
 from specdec.drafters.model import check_same_vocabulary
 from specdec.drafters.ngram import NgramDrafter
@@ -36,9 +38,16 @@ log = logging.getLogger("ray.serve")
 TARGET_BUNDLE, DRAFT_BUNDLE = 1, 2  # bundle 0 holds the router replica itself
 
 
-def _worker_options(bundle: int, num_cpus: float, num_gpus: float) -> dict:
+def worker_name(role: str) -> str:
+    """The unit's ``role`` worker ("target", "draft"), named per replica (namespace "serve")."""
+    return f"specdec-{role}-{serve.get_replica_context().replica_id.unique_id}"
+
+
+def _worker_options(role: str, bundle: int, num_cpus: float, num_gpus: float) -> dict:
     pg = get_current_placement_group()
-    options = {"num_cpus": num_cpus, "num_gpus": num_gpus, "max_restarts": -1}
+    # Named, so an operator (or a test) can find a unit's workers; restarted by Ray when they
+    # die, and re-prefilled from the router's tokens on the next call.
+    options = {"num_cpus": num_cpus, "num_gpus": num_gpus, "max_restarts": -1, "name": worker_name(role)}
     if pg is not None:
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
             placement_group=pg, placement_group_bundle_index=bundle
@@ -54,14 +63,14 @@ def build_engine(args: UnitArgs) -> tuple[Engine, dict]:
     tokenizer = load_tokenizer(models.target)
     res = args.resources
     target_actor = TargetWorker.options(
-        **_worker_options(TARGET_BUNDLE, res.target_cpus, res.target_gpus)
+        **_worker_options("target", TARGET_BUNDLE, res.target_cpus, res.target_gpus)
     ).remote(models)
     drafters = {"ngram": NgramDrafter(spec.ngram_min, spec.ngram_max)}
     actors = {"target": target_actor}
     if models.draft:
         check_same_vocabulary(tokenizer, load_tokenizer(models.draft))
         draft_actor = DraftWorker.options(
-            **_worker_options(DRAFT_BUNDLE, res.draft_cpus, res.draft_gpus)
+            **_worker_options("draft", DRAFT_BUNDLE, res.draft_cpus, res.draft_gpus)
         ).remote(models)
         ray.get(draft_actor.ready.remote())
         drafters["draft"] = RemoteDrafter(draft_actor)
@@ -91,6 +100,7 @@ class SpecRouter:
         self.args = UnitArgs.model_validate(args)
         self.engine, self.actors = build_engine(self.args)
         self._pool = ThreadPoolExecutor(max_workers=self.args.max_concurrent_requests)
+        self.metrics = UnitMetrics()
 
     def reconfigure(self, user_config: dict) -> None:
         """Operator flags (kill switch, default mode, k_max, fallback thresholds), live."""
@@ -106,6 +116,8 @@ class SpecRouter:
             "modes": ["off", "auto", *self.engine.drafters],
             "colocation": self.args.colocation,
             "workers": {name: ray.get(actor.node_id.remote()) for name, actor in self.actors.items()},
+            "worker_names": {name: worker_name(name) for name in self.actors},
+            "policy": self.engine.policy.model_dump(),
         }
 
     def _prepare(self, req: dict) -> tuple[list[int], dict]:
@@ -152,12 +164,18 @@ class SpecRouter:
         except RequestError as exc:
             emit({"type": "error", "status": 400, "message": str(exc), "param": exc.param})
             return
-        emit({"type": "start", "prompt_tokens": len(ids), "mode": kwargs["mode"]})
+        mode = kwargs["mode"]
+        emit({"type": "start", "prompt_tokens": len(ids), "mode": mode})
         rounds, finish, produced, policy = [], None, 0, {}
+        start, ttft = time.perf_counter(), 0.0
+        self.metrics.set_active(mode, +1)
         stream = self.engine.stream(ids, **kwargs)
         try:
             for event in stream:
+                if not rounds:
+                    ttft = time.perf_counter() - start
                 rounds.append(event.stats)
+                self.metrics.round(event.stats)
                 produced += len(event.token_ids)
                 finish = event.finish_reason
                 policy = event.policy or policy
@@ -167,7 +185,10 @@ class SpecRouter:
                     break
         finally:
             stream.close()
-        summary = SpeculationSummary.from_rounds(kwargs["mode"], rounds)
+            self.metrics.set_active(mode, -1)
+        total = time.perf_counter() - start
+        self.metrics.request(tokens=produced, ttft_s=ttft, total_s=total, policy=policy)
+        summary = SpeculationSummary.from_rounds(mode, rounds)
         emit(
             {
                 "type": "end",

@@ -5,6 +5,7 @@ Definitions (over the rounds after prefill):
 - ``acceptance_rate`` = accepted / drafted (0 when nothing was drafted).
 - ``mean_accepted_length``: tokens one target pass produced, on average: accepted + 1 per
   round (the recovered or bonus token included); 1.0 for plain decoding.
+- ``draft_failures``: rounds whose drafter failed (a dead draft worker): they ran plainly.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class SpeculationSummary:
     mean_accepted_length: float
     draft_s: float
     verify_s: float
+    draft_failures: int = 0  # rounds whose drafter failed and that ran as plain steps
 
     @classmethod
     def from_rounds(cls, mode: str, rounds: list[RoundStats]) -> "SpeculationSummary":
@@ -45,6 +47,7 @@ class SpeculationSummary:
             mean_accepted_length=(accepted + n) / n if n else 0.0,
             draft_s=sum(r.draft_s for r in rounds),
             verify_s=sum(r.verify_s for r in rounds),
+            draft_failures=sum(1 for r in rounds if r.draft_error),
         )
 
     def to_dict(self) -> dict:

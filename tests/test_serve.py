@@ -187,3 +187,36 @@ def test_serve_config_is_clean_and_the_lint_catches_silent_keys(tmp_path):
     bad.write_text(yaml.safe_dump(config))
     problems = lint_serve_config(bad)
     assert any("num_replicaz" in p for p in problems) and any("mdoe" in p for p in problems)
+
+
+def test_draft_worker_killed_mid_stream_the_stream_completes_unchanged(server, reference):
+    router = serve.get_deployment_handle("SpecRouter", app_name="actors")
+    draft_name = router.info.remote().result()["worker_names"]["draft"]
+    tok = load_tokenizer(str(server["target"]))
+    prompt = PROMPTS[0]
+    ids = tok(prompt)["input_ids"]
+    target = LocalTarget(ModelRunner(load_model(str(server["target"]))))
+    expected = [t for s in decode(target, None, DecodeRequest(ids, 300)) for t in s.tokens]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 300, "temperature": 0, "stream": True,
+            "return_token_ids": True, "speculation": {"mode": "draft", "num_speculative_tokens": 3}}
+    tokens, killed = [], False
+    with httpx.stream("POST", f"{BASE}/actors/v1/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            tokens += chunk["choices"][0].get("token_ids", [])
+            if not killed and len(tokens) >= 20:
+                named = {a["name"]: a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True)}
+                ray.kill(ray.get_actor(draft_name, namespace=named[draft_name]), no_restart=False)
+                killed = True
+            last = chunk
+    assert killed and tokens == expected
+    assert last["choices"][0]["finish_reason"] == "length"
+    assert last["speculation"]["draft_failures"] >= 1  # it really ran on without its draft
+    # Ray restarted the draft worker: later requests speculate again.
+    for _ in range(50):
+        r = completion("actors", prompt=prompt, speculation={"mode": "draft", "num_speculative_tokens": 3}).json()
+        if r["speculation"]["accepted_tokens"] > 0:
+            break
+    assert r["speculation"]["accepted_tokens"] > 0
