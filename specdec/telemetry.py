@@ -1,0 +1,434 @@
+"""One OpenTelemetry trace per request: the spans, their attributes, and where they go.
+
+    request      the router, SERVER; a child of the caller's W3C ``traceparent`` if any
+      prefill    round 0, the prompt (k = 0)
+        verify   in the TargetWorker
+      round      one per round: specdec.mode, k, drafted, accepted, bonus, emitted, draft_ms,
+                 verify_ms; events specdec.fallback / specdec.probe / specdec.mode_switch
+        draft    in the DraftWorker
+        verify   in the TargetWorker
+      round ...
+
+A round's span takes its times from ``RoundStats`` (draft from ``started_at``, verify after),
+so it can only be built after the round, yet the workers' spans need their parent *during*
+it. ``RequestTrace.rounds`` therefore reserves each round's span id before the round (our
+``IdGenerator`` hands that id out again when the span is built) and makes a non-recording
+span with that id current meanwhile: an ``inject()`` in a worker call carries the round's id,
+and the tree joins up. ``decode()`` needs no hook. The spans are built when the request ends.
+
+GenAI semantic-convention names where one exists (``gen_ai.request.model``,
+``gen_ai.usage.output_tokens``, ...), ``specdec.*`` otherwise. Spans go through a
+``BatchSpanProcessor`` to a JSON-lines file per process (``specdec.traces``), and to OTLP
+too when ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set (http/protobuf; grpc with
+``OTEL_EXPORTER_OTLP_PROTOCOL=grpc`` if that exporter is installed).
+
+Integration (the router, the ingress and the workers each call a few functions):
+
+    # every process (SpecRouter.__init__, TargetWorker.__init__, DraftWorker.__init__):
+    telemetry.configure_tracing("specdec-router")          # idempotent; SPECDEC_TRACING=0 disables
+
+    # ingress: pass the caller's context on (a plain dict crosses the Ray hop)
+    req["trace_context"] = telemetry.carrier_from_headers(request.headers)
+
+    # router, SpecRouter._run (one thread per request); phases=True when colocation is
+    # in_process (no workers: draft / verify spans come from the round's timings):
+    attrs = telemetry.request_attributes(model=..., operation="chat", max_tokens=..., ...)
+    with telemetry.request_span(carrier=req.get("trace_context"), attributes=attrs) as trace:
+        for event in trace.rounds(self.engine.stream(ids, **kwargs)):   # anything with .stats
+            ...
+        trace.finish(mode=mode, finish_reason=finish, input_tokens=len(ids), output_tokens=n)
+        emit({"type": "end", ...})   # inside: the round spans are built as the block exits
+
+    # router side of each actor call (RemoteTarget.verify / RemoteDrafter.propose):
+    self.actor.verify.remote(seq_id, context, proposal, params, seed, trace=telemetry.inject())
+
+    # worker side (TargetWorker.verify / DraftWorker.propose):
+    with telemetry.worker_span("verify", trace, {"specdec.k": len(proposal)}) as span:
+        verdict = verify_round(...)
+        span.set_attribute("specdec.accepted", verdict.num_accepted)
+
+    # SpeculationPolicy, next to each self.events.append((index, what)) (inside the round):
+    telemetry.add_policy_event(what)     # "probe:draft" -> event specdec.probe, specdec.mode=draft
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Any, TypeVar
+
+from opentelemetry import context as context_api
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from specdec.decoding import RoundStats
+from specdec.stats import SpeculationSummary
+from specdec.traces import (  # noqa: F401  (the attribute schema is part of this API)
+    EVENT_FALLBACK,
+    EVENT_MODE_SWITCH,
+    EVENT_PROBE,
+    EVENT_RESUME,
+    POLICY_EVENTS,
+    JsonLinesSpanExporter,
+    default_trace_dir,
+    request_attributes,
+    round_attributes,
+)
+
+log = logging.getLogger(__name__)
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+_TRACER_NAME = "specdec"
+T = TypeVar("T")
+
+
+class _ReservableIds(RandomIdGenerator):
+    """Random ids, except that the next span id on a thread can be fixed in advance."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def generate_span_id(self) -> int:
+        reserved = getattr(self._local, "span_id", None)
+        if reserved is not None:
+            self._local.span_id = None
+            return reserved
+        return super().generate_span_id()
+
+    def start_span_with_id(self, tracer: trace.Tracer, span_id: int, name: str, **kwargs) -> trace.Span:
+        """``tracer.start_span`` giving the span ``span_id`` (the tracer draws one id per span)."""
+        self._local.span_id = span_id
+        try:
+            return tracer.start_span(name, **kwargs)
+        finally:
+            self._local.span_id = None
+
+
+class _State:
+    def __init__(self, provider: TracerProvider, ids: _ReservableIds):
+        self.provider, self.ids = provider, ids
+        self.tracer = provider.get_tracer(_TRACER_NAME)
+
+
+_STATE: _State | None = None
+_CONFIGURED = False  # configure_tracing ran in this process (possibly deciding "disabled")
+_LOCK = threading.Lock()
+
+
+def configure_tracing(
+    service_name: str,
+    *,
+    directory: str | Path | None = None,
+    sample_ratio: float = 1.0,
+    enabled: bool = True,
+    exporters: Sequence[SpanExporter] = (),
+) -> TracerProvider | None:
+    """Set up this process's tracer once; later calls return the first call's provider.
+
+    Spans go to ``directory`` (default ``$SPECDEC_HOME/traces``) as JSON lines, to OTLP when
+    ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set, and to any extra ``exporters``. Sampling is
+    ``ParentBased(TraceIdRatioBased(sample_ratio))``: a request keeps its caller's decision,
+    and the workers keep the router's. Returns None when disabled (``enabled=False`` or
+    ``SPECDEC_TRACING=0``); every other function here then does nothing.
+    """
+    global _STATE, _CONFIGURED
+    with _LOCK:
+        if _CONFIGURED:
+            return _STATE.provider if _STATE else None
+        _CONFIGURED = True
+        if not enabled or os.environ.get("SPECDEC_TRACING", "1").strip().lower() in ("0", "false", "off", "no"):
+            return None
+        ids = _ReservableIds()
+        provider = TracerProvider(
+            sampler=ParentBased(TraceIdRatioBased(sample_ratio)),
+            resource=Resource.create({"service.name": service_name}),
+            id_generator=ids,
+            shutdown_on_exit=False,  # our own atexit hook flushes (and survives shutdown())
+        )
+        path = Path(directory) if directory is not None else default_trace_dir()
+        provider.add_span_processor(
+            BatchSpanProcessor(JsonLinesSpanExporter(path, service_name), schedule_delay_millis=1000)
+        )
+        if otlp := _otlp_exporter():
+            provider.add_span_processor(BatchSpanProcessor(otlp))
+        for exporter in exporters:
+            provider.add_span_processor(BatchSpanProcessor(exporter))
+        _STATE = _State(provider, ids)
+        return provider
+
+
+def _otlp_exporter() -> SpanExporter | None:
+    if not (os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")):
+        return None
+    protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get(
+        "OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"
+    )
+    if protocol.strip() == "grpc":
+        try:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+            return OTLPSpanExporter()
+        except ImportError:
+            log.warning("OTLP grpc exporter not installed; exporting traces over http/protobuf")
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    return OTLPSpanExporter()  # reads the endpoint (and /v1/traces path) from the environment
+
+
+def flush(timeout_s: float = 10.0) -> bool:
+    """Export every finished span now (tests, and before a process exits on purpose)."""
+    return _STATE.provider.force_flush(int(timeout_s * 1000)) if _STATE else True
+
+
+def shutdown() -> None:
+    """Flush and close the exporters, and forget the configuration (a later
+    ``configure_tracing`` starts afresh)."""
+    global _STATE, _CONFIGURED
+    with _LOCK:
+        state, _STATE, _CONFIGURED = _STATE, None, False
+    if state is not None:
+        state.provider.shutdown()
+
+
+atexit.register(shutdown)
+
+
+# --- context across process hops -------------------------------------------------------
+
+
+def inject(span_or_context: trace.Span | context_api.Context | None = None) -> dict[str, str]:
+    """A W3C carrier (``traceparent``, maybe ``tracestate``) for the current span, or the
+    given one; ``{}`` when there is nothing to propagate."""
+    if isinstance(span_or_context, trace.Span):
+        span_or_context = trace.set_span_in_context(span_or_context)
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier, context=span_or_context)
+    return carrier
+
+
+def extract(carrier: Mapping[str, str] | None) -> context_api.Context:
+    """The context a carrier describes (an empty context for None or a malformed header)."""
+    return _PROPAGATOR.extract(carrier or {}, context=context_api.Context())
+
+
+def carrier_from_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    """The trace-context headers of an HTTP request, as a plain dict for a Ray call."""
+    return {k: headers[k] for k in ("traceparent", "tracestate") if headers.get(k)}
+
+
+def _tracer() -> trace.Tracer:
+    return _STATE.tracer if _STATE else trace.NoOpTracer()
+
+
+# --- the router: one request, its rounds ------------------------------------------------
+
+
+def _ns(seconds: float) -> int:
+    return int(seconds * 1e9)
+
+
+class RequestTrace:
+    """The open ``request`` span of one request and the rounds recorded under it.
+
+    Between rounds (where a token waits) a round costs a few microseconds: its span id is
+    reserved and its statistics kept; the ``prefill`` / ``round`` spans are built when the
+    request's block ends, in one warm loop, before the request span ends.
+    """
+
+    def __init__(self, span: trace.Span):
+        self.span = span
+        self._context = trace.set_span_in_context(span)  # the rounds' parent
+        self.stats: list[RoundStats] = []
+        # (span id, stats or None if the round failed, events, began ns, error, phases)
+        self._rounds: list[tuple] = []
+        self._pending: list[tuple[str, dict, int]] | None = None  # events of the round in progress
+
+    @property
+    def recording(self) -> bool:
+        return self.span.is_recording() and _STATE is not None
+
+    def rounds(self, steps: Iterable[T], *, phases: bool = False) -> Iterator[T]:
+        """Pass ``steps`` (``decode``'s Steps, ``Engine.stream``'s Events: anything with
+        ``.stats``) through, recording a span per round. During each round the round's
+        context is current, so ``inject()`` in a worker call parents the worker's span to it.
+        ``phases=True`` adds ``draft`` / ``verify`` child spans from the round's timings
+        (for a unit without worker actors)."""
+        if not self.recording:
+            yield from steps
+            return
+        iterator, ids = iter(steps), _STATE.ids
+        parent = self.span.get_span_context()
+        try:
+            while True:
+                span_id = ids.generate_span_id()
+                reserved = SpanContext(parent.trace_id, span_id, False, parent.trace_flags, parent.trace_state)
+                token = context_api.attach(trace.set_span_in_context(NonRecordingSpan(reserved)))
+                self._pending, began = [], time.time_ns()
+                try:
+                    step = next(iterator)
+                except StopIteration:
+                    return
+                except Exception as exc:
+                    self._rounds.append((span_id, None, self._pending, began, exc, False))
+                    raise
+                finally:
+                    context_api.detach(token)
+                self.stats.append(step.stats)
+                self._rounds.append((span_id, step.stats, self._pending, began, None, phases))
+                self._pending = None
+                yield step
+        finally:
+            self._pending = None
+            close = getattr(iterator, "close", None)
+            if close is not None:
+                close()
+
+    def event(self, name: str, attributes: Mapping[str, Any] | None = None) -> None:
+        """An event on the round in progress (when called during one) or on the request."""
+        if self._pending is not None:
+            self._pending.append((name, dict(attributes or {}), time.time_ns()))
+        elif self.span.is_recording():
+            self.span.add_event(name, dict(attributes or {}))
+
+    def finish(
+        self,
+        *,
+        finish_reason: str | None,
+        input_tokens: int,
+        output_tokens: int | None = None,
+        mode: str | None = None,
+    ) -> None:
+        """The request's final statistics, on the request span (call inside the block)."""
+        if not self.span.is_recording():
+            return
+        rounds = self.stats
+        summary = SpeculationSummary.from_rounds(mode or "", rounds)
+        if output_tokens is None:
+            output_tokens = sum(r.emitted for r in rounds)
+        attrs: dict[str, Any] = {
+            "gen_ai.usage.input_tokens": input_tokens,
+            "gen_ai.usage.output_tokens": output_tokens,
+            "gen_ai.response.finish_reasons": [finish_reason or "unknown"],
+            "specdec.rounds": summary.rounds,
+            "specdec.drafted": summary.drafted_tokens,
+            "specdec.accepted": summary.accepted_tokens,
+            "specdec.acceptance_rate": summary.acceptance_rate,
+            "specdec.mean_accepted_length": summary.mean_accepted_length,
+            "specdec.draft_ms": summary.draft_s * 1e3,
+            "specdec.verify_ms": summary.verify_s * 1e3,
+        }
+        if mode:
+            attrs["specdec.mode"] = mode
+        start = getattr(self.span, "start_time", None)
+        if rounds and rounds[0].started_at and start:
+            first = rounds[0]
+            first_end = _ns(first.started_at) + _ns(first.draft_s) + _ns(first.verify_s)
+            attrs["specdec.ttft_ms"] = (first_end - start) / 1e6
+        self.span.set_attributes(attrs)
+
+    def _emit_rounds(self) -> None:
+        """Build the recorded rounds' spans (explicit times from their RoundStats)."""
+        if not self.recording:
+            return
+        tracer, ids = _STATE.tracer, _STATE.ids
+        for span_id, stats, events, began, error, phases in self._rounds:
+            if stats is None:
+                name, attrs, start, end = "round", {}, began, time.time_ns()
+            else:
+                name = "prefill" if stats.mode == "prefill" else "round"
+                attrs = round_attributes(stats)
+                duration = _ns(stats.draft_s) + _ns(stats.verify_s)
+                # started_at is 0 in a RoundStats made without it: place the round by the clock
+                start = _ns(stats.started_at) if stats.started_at else (began or time.time_ns() - duration)
+                end = start + duration
+            span = ids.start_span_with_id(
+                tracer, span_id, name, context=self._context, attributes=attrs, start_time=start
+            )
+            for event_name, event_attrs, at in events:
+                span.add_event(event_name, event_attrs, timestamp=at)
+            if error is not None:
+                span.record_exception(error)
+                span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+            if phases and stats is not None:
+                round_ctx = trace.set_span_in_context(span)
+                draft_end = start + _ns(stats.draft_s)
+                if stats.k:
+                    tracer.start_span("draft", round_ctx, start_time=start).end(draft_end)
+                tracer.start_span("verify", round_ctx, start_time=draft_end).end(end)
+            span.end(end_time=end)
+        self._rounds.clear()
+
+
+_CURRENT: ContextVar[RequestTrace | None] = ContextVar("specdec_request_trace", default=None)
+
+
+@contextmanager
+def request_span(
+    name: str = "request",
+    *,
+    carrier: Mapping[str, str] | None = None,
+    attributes: Mapping[str, Any] | None = None,
+) -> Iterator[RequestTrace]:
+    """Open the request's root span (a child of ``carrier``'s ``traceparent`` if given) and
+    make it current for the block; an exception marks it failed."""
+    parent = extract(carrier)
+    with _tracer().start_as_current_span(
+        name, context=parent, kind=SpanKind.SERVER, attributes=dict(attributes or {})
+    ) as span:
+        request = RequestTrace(span)
+        token = _CURRENT.set(request)
+        try:
+            yield request
+        finally:
+            _CURRENT.reset(token)
+            request._emit_rounds()
+
+
+def add_event(name: str, attributes: Mapping[str, Any] | None = None) -> None:
+    """An event for whatever is being traced here: the round in progress of the current
+    request, else the current span. For library code (the policy) that holds no span."""
+    request = _CURRENT.get()
+    if request is not None:
+        request.event(name, attributes)
+        return
+    span = trace.get_current_span()
+    if span.is_recording():
+        span.add_event(name, dict(attributes or {}))
+
+
+def add_policy_event(what: str, attributes: Mapping[str, Any] | None = None) -> None:
+    """``add_event`` for a ``SpeculationPolicy.events`` entry: "fallback", "probe:<mode>",
+    "resume:<mode>" or "switch:<mode>" becomes ``POLICY_EVENTS[kind]`` with ``specdec.mode``."""
+    kind, _, mode = what.partition(":")
+    attrs = {"specdec.mode": mode} if mode else {}
+    add_event(POLICY_EVENTS.get(kind, f"specdec.{kind}"), {**attrs, **(attributes or {})})
+
+
+# --- the workers ------------------------------------------------------------------------
+
+
+@contextmanager
+def worker_span(
+    name: str, carrier: Mapping[str, str] | None, attributes: Mapping[str, Any] | None = None
+) -> Iterator[trace.Span]:
+    """A span in a worker actor under the caller's round. No carrier, no span: a call
+    outside a traced request records nothing (yields a non-recording span)."""
+    parent = extract(carrier)
+    if not trace.get_current_span(parent).get_span_context().is_valid:
+        yield trace.INVALID_SPAN
+        return
+    with _tracer().start_as_current_span(name, context=parent, attributes=dict(attributes or {})) as span:
+        yield span

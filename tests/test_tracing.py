@@ -1,0 +1,436 @@
+"""Tracing: the span tree of one request, context across (simulated) actor hops, the JSON-lines
+files and ``specdec traces``, the HTML timeline, and OTLP to a real receiver on 127.0.0.1.
+
+The loop is the real ``decode()`` over a scripted target and drafter. Each worker call runs in
+another thread and gets only a JSON round-tripped carrier, as a Ray actor would, so a worker
+span can find its round only through the carrier.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+import specdec.policy
+from specdec import telemetry
+from specdec.cli import main as cli_main
+from specdec.decoding import DecodeRequest, decode
+from specdec.drafters.base import Proposal
+from specdec.policy import CostModel, ModeSwitch, PolicyConfig, SpeculationPolicy
+from specdec.traces import find_trace, load_traces
+from specdec.traces_html import render_html
+from specdec.verify import Verdict
+
+ACCEPT = [3, 4, 1, 0, 2, 4, 4, 1, 2, 3]  # accepted drafts of the speculative rounds, in order
+MAX_TOKENS = 30
+
+
+class Actor:
+    """A worker actor: its own thread; the carrier arrives as plain JSON data."""
+
+    def __init__(self):
+        self.pool = ThreadPoolExecutor(max_workers=1)
+
+    def call(self, fn, carrier: dict, *args):
+        wire = json.loads(json.dumps(carrier))
+        return self.pool.submit(fn, wire, *args).result()
+
+
+class ScriptedTarget:
+    max_length = None
+
+    def __init__(self, accept=ACCEPT):
+        self.actor, self.calls, self.accept = Actor(), 0, accept
+
+    def _verify(self, carrier, proposal):  # runs "in the TargetWorker"
+        with telemetry.worker_span("verify", carrier, {"specdec.k": len(proposal)}) as span:
+            time.sleep(0.001)
+            accepted = min(self.accept[(self.calls - 1) % len(self.accept)], len(proposal)) if proposal.tokens else 0
+            self.calls += 1
+            span.set_attribute("specdec.accepted", accepted)
+            return Verdict(tokens=[5] * (accepted + 1), num_accepted=accepted, num_drafted=len(proposal))
+
+    def verify(self, seq_id, context, proposal, params, seed):  # RemoteTarget.verify
+        return self.actor.call(self._verify, telemetry.inject(), proposal)
+
+    def release(self, seq_id):
+        pass
+
+
+class ScriptedDrafter:
+    name = "draft"
+
+    def __init__(self):
+        self.actor = Actor()
+
+    def _propose(self, carrier, k):  # runs "in the DraftWorker"
+        with telemetry.worker_span("draft", carrier, {"specdec.k": k}):
+            time.sleep(0.0005)
+            return Proposal(tokens=[7] * k)
+
+    def propose(self, seq_id, context, k, params, seed):
+        return self.actor.call(self._propose, telemetry.inject(), k)
+
+    def observe(self, seq_id, proposed, accepted):
+        pass
+
+    def release(self, seq_id):
+        pass
+
+
+def policy(rounds):
+    """k = 4, except a fallback to plain steps at rounds 3-4 and a probe at round 5."""
+    n = len(rounds)
+    if n == 3:
+        telemetry.add_event(telemetry.EVENT_FALLBACK, {"specdec.acceptance_ewma": 0.1})
+        return 0
+    if n == 4:
+        return 0
+    if n == 5:
+        telemetry.add_policy_event("probe:draft")
+    return 4
+
+
+def run_request(carrier=None):
+    """One traced request, as the router runs it; returns its RoundStats."""
+    attrs = telemetry.request_attributes(model="tiny", max_tokens=MAX_TOKENS, temperature=0.0, request_id="cmpl-1")
+    with telemetry.request_span(carrier=carrier, attributes=attrs) as trace:
+        steps = decode(ScriptedTarget(), ScriptedDrafter(), DecodeRequest([1, 2, 3], MAX_TOKENS), k=policy)
+        stats = []
+        for step in trace.rounds(steps):
+            stats.append(step.stats)
+        trace.finish(finish_reason=step.finish_reason, input_tokens=3, mode="draft")
+    return stats
+
+
+@pytest.fixture
+def tracing(tmp_path, monkeypatch):
+    """Tracing to a fresh directory and an in-memory exporter; reset afterwards."""
+    for var in ("SPECDEC_TRACING", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        monkeypatch.delenv(var, raising=False)
+    telemetry.shutdown()
+    memory = InMemorySpanExporter()
+    telemetry.configure_tracing("test-router", directory=tmp_path, exporters=[memory])
+    yield memory
+    telemetry.shutdown()
+
+
+def finished(memory):
+    telemetry.flush()
+    return memory.get_finished_spans()
+
+
+def test_span_tree_timings_and_events(tracing):
+    stats = run_request()
+    spans = finished(tracing)
+    by_id = {s.context.span_id: s for s in spans}
+    (request,) = [s for s in spans if s.name == "request"]
+    assert request.parent is None
+    assert {s.context.trace_id for s in spans} == {request.context.trace_id}
+    rounds = sorted((s for s in spans if s.name in ("prefill", "round")), key=lambda s: s.start_time)
+    assert [s.name for s in rounds] == ["prefill"] + ["round"] * (len(stats) - 1)
+    for span, st in zip(rounds, stats):
+        assert span.parent.span_id == request.context.span_id
+        assert span.start_time == int(st.started_at * 1e9)
+        assert span.end_time - span.start_time == int(st.draft_s * 1e9) + int(st.verify_s * 1e9)
+        assert span.attributes["specdec.k"] == st.k and span.attributes["specdec.accepted"] == st.accepted
+        assert span.attributes["specdec.mode"] == st.mode and span.attributes["specdec.bonus"] == st.bonus
+    # every worker span hangs under the round it served, inside the round's time
+    for worker in (s for s in spans if s.name in ("draft", "verify")):
+        parent = by_id[worker.parent.span_id]
+        assert parent.name in ("prefill", "round")
+        assert worker.attributes["specdec.k"] == parent.attributes["specdec.k"]
+        assert parent.start_time - 1_000_000 <= worker.start_time <= worker.end_time <= parent.end_time + 1_000_000
+    verifies = [s for s in spans if s.name == "verify"]
+    drafts = [s for s in spans if s.name == "draft"]
+    assert len(verifies) == len(stats)  # prefill included
+    assert len(drafts) == sum(1 for st in stats if st.k)
+    assert {by_id[v.parent.span_id].attributes["specdec.accepted"] for v in verifies} == {
+        v.attributes["specdec.accepted"] for v in verifies
+    }
+    # the policy's events land on the round it was deciding
+    events = {
+        r.attributes["specdec.round"]: [(e.name, dict(e.attributes)) for e in r.events] for r in rounds if r.events
+    }
+    assert events == {
+        3: [(telemetry.EVENT_FALLBACK, {"specdec.acceptance_ewma": 0.1})],
+        5: [(telemetry.EVENT_PROBE, {"specdec.mode": "draft"})],
+    }
+    assert rounds[3].attributes["specdec.mode"] == "off" and rounds[5].attributes["specdec.mode"] == "draft"
+    # the request's final statistics
+    decode_rounds = stats[1:]
+    a = request.attributes
+    assert a["gen_ai.request.model"] == "tiny" and a["gen_ai.request.max_tokens"] == MAX_TOKENS
+    assert a["gen_ai.usage.input_tokens"] == 3 and a["gen_ai.usage.output_tokens"] == MAX_TOKENS
+    assert tuple(a["gen_ai.response.finish_reasons"]) == ("length",)
+    assert a["specdec.rounds"] == len(decode_rounds)
+    assert a["specdec.accepted"] == sum(s.accepted for s in decode_rounds)
+    assert a["specdec.drafted"] == sum(s.drafted for s in decode_rounds)
+    assert a["specdec.ttft_ms"] == pytest.approx((rounds[0].end_time - request.start_time) / 1e6)
+
+
+def test_in_process_phases_and_a_failing_round(tracing):
+    """``phases=True`` (no worker actors) draws draft / verify from the round's timings; a
+    round that raises leaves an ERROR round span and an ERROR request span."""
+
+    class Failing(ScriptedTarget):
+        def verify(self, seq_id, context, proposal, params, seed):
+            if self.calls == 3:
+                raise RuntimeError("worker died")
+            return self._verify({}, proposal)  # in process: no carrier, no worker span
+
+    class LocalDrafter(ScriptedDrafter):
+        def propose(self, seq_id, context, k, params, seed):
+            return Proposal(tokens=[7] * k)
+
+    stats = []
+    with pytest.raises(RuntimeError, match="worker died"):
+        with telemetry.request_span() as trace:
+            steps = decode(Failing(), LocalDrafter(), DecodeRequest([1, 2, 3], MAX_TOKENS), k=4)
+            for step in trace.rounds(steps, phases=True):
+                stats.append(step.stats)
+    spans = finished(tracing)
+    (request,) = [s for s in spans if s.name == "request"]
+    assert request.status.status_code.name == "ERROR"
+    rounds = sorted((s for s in spans if s.name in ("prefill", "round")), key=lambda s: s.start_time)
+    assert len(rounds) == len(stats) + 1 == 4
+    assert rounds[-1].status.status_code.name == "ERROR" and rounds[-1].events[0].name == "exception"
+    for span, st in zip(rounds, stats):
+        kids = [c for c in spans if c.parent is not None and c.parent.span_id == span.context.span_id]
+        children = {c.name: c for c in kids}
+        assert len(children) == len(kids)
+        verify = children["verify"]
+        assert verify.end_time == span.end_time and verify.start_time == span.start_time + int(st.draft_s * 1e9)
+        if st.k:
+            assert children["draft"].start_time == span.start_time
+            assert children["draft"].end_time == verify.start_time
+        else:
+            assert "draft" not in children
+
+
+POLICY_HOOK = "add_policy_event" in inspect.getsource(specdec.policy)
+
+
+@pytest.mark.skipif(not POLICY_HOOK, reason="waits for SpeculationPolicy to call telemetry.add_policy_event")
+def test_the_real_policy_marks_fallback_and_probe_rounds(tracing):
+    """Drafts that are never accepted: the policy falls back, probes, falls back again; each
+    decision is an event on the round it chose."""
+    cfg = PolicyConfig(probe_interval=4)
+    policy = SpeculationPolicy(
+        switch=ModeSwitch({"draft": ScriptedDrafter()}), costs=CostModel(), config=lambda: cfg
+    )
+    with telemetry.request_span() as trace:
+        steps = decode(ScriptedTarget(accept=[0]), policy.switch, DecodeRequest([1, 2, 3], 24), k=policy)
+        for _ in trace.rounds(steps):
+            pass
+    rounds = {s.attributes["specdec.round"]: s for s in finished(tracing) if s.name == "round"}
+    assert policy.events, "the policy should have fallen back"
+    for index, what in policy.events:
+        kind, _, mode = what.partition(":")
+        (event,) = [e for e in rounds[index].events if e.name == telemetry.POLICY_EVENTS[kind]]
+        assert event.attributes.get("specdec.mode", "") == mode
+        k = rounds[index].attributes["specdec.k"]
+        assert k == 0 if kind == "fallback" else k > 0 if kind == "probe" else True
+    kinds = [what.partition(":")[0] for _, what in policy.events]
+    assert "fallback" in kinds and "probe" in kinds
+    assert sum(len(s.events) for s in rounds.values()) == len(policy.events)
+
+
+def test_incoming_traceparent_is_the_parent(tracing):
+    trace_id, span_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    run_request({"traceparent": f"00-{trace_id}-{span_id}-01"})
+    spans = finished(tracing)
+    (request,) = [s for s in spans if s.name == "request"]
+    assert f"{request.context.trace_id:032x}" == trace_id
+    assert request.parent.is_remote and f"{request.parent.span_id:016x}" == span_id
+    assert all(f"{s.context.trace_id:032x}" == trace_id for s in spans)
+
+
+def test_unsampled_caller_and_untraced_worker_calls_record_nothing(tracing):
+    run_request({"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00"})
+    with telemetry.worker_span("verify", {}) as span:
+        assert not span.is_recording()
+    assert finished(tracing) == ()
+
+
+def test_sample_ratio_zero_and_disabled(tmp_path, monkeypatch):
+    telemetry.shutdown()
+    memory = InMemorySpanExporter()
+    telemetry.configure_tracing("r", directory=tmp_path, sample_ratio=0.0, exporters=[memory])
+    try:
+        run_request()
+        assert finished(memory) == ()
+    finally:
+        telemetry.shutdown()
+    monkeypatch.setenv("SPECDEC_TRACING", "0")
+    off = tmp_path / "off"
+    assert telemetry.configure_tracing("r", directory=off) is None
+    stats = run_request()  # a disabled tracer still runs the request, and writes nothing
+    assert sum(s.emitted for s in stats) == MAX_TOKENS
+    telemetry.shutdown()
+    assert not off.exists()
+
+
+def test_configure_is_idempotent(tracing, tmp_path):
+    first = telemetry.configure_tracing("again", directory=tmp_path / "other")
+    assert first is telemetry.configure_tracing("yet-again")
+    assert not (tmp_path / "other").exists()
+
+
+def cli(capsys, *argv) -> str:
+    assert cli_main(["traces", *argv]) == 0
+    return capsys.readouterr().out
+
+
+def test_json_lines_read_back_by_the_cli(tracing, tmp_path, capsys):
+    stats = [run_request() for _ in range(3)][-1]
+    telemetry.flush()
+    (path,) = tmp_path.glob("spans-test-router-*.jsonl")
+    # the workers' spans live in another process's file; a killed process leaves a torn line
+    lines = path.read_text().splitlines()
+    workers = [line for line in lines if json.loads(line)["name"] in ("draft", "verify")]
+    path.write_text("".join(line + "\n" for line in lines if line not in workers) + lines[0][:40])
+    (tmp_path / "spans-test-target-1.jsonl").write_text("".join(line + "\n" for line in workers))
+
+    traces = load_traces(tmp_path)
+    assert len(traces) == 3
+    trace = traces[-1]
+    decode_rounds = stats[1:]
+    accepted = sum(s.accepted for s in decode_rounds)
+    assert trace.accepted == accepted and len(trace.decode_rounds) == len(decode_rounds)
+
+    listing = cli(capsys, "list", "--dir", str(tmp_path), "--limit", "2")
+    rows = listing.splitlines()[1:]
+    assert len(rows) == 2 and rows[0].startswith(trace.trace_id)  # newest first
+    fields = rows[0].split()
+    assert fields[3:6] == ["draft", "3", str(MAX_TOKENS)] and fields[6] == str(len(decode_rounds))
+    assert fields[7] == f"{accepted / sum(s.drafted for s in decode_rounds):.2f}"
+
+    shown = cli(capsys, "show", trace.trace_id[:8], "--dir", str(tmp_path), "--all")
+    round_lines = [line for line in shown.splitlines() if re.match(r"round +\d+ ", line)]
+    assert len(round_lines) == len(decode_rounds)
+    for line, st in zip(round_lines, decode_rounds):
+        if st.k:
+            assert f" {st.accepted}/{st.k}" in line
+        bar = line[line.index("|") + 1 : line.rindex("|")]
+        assert bar.strip() and ("#" in bar)
+    assert shown.count("└ verify") == len(stats) and shown.count("└ draft") == sum(1 for s in stats if s.k)
+    assert "! specdec.fallback specdec.acceptance_ewma=0.1" in shown
+    # bars are proportional to time: the request's bar spans the whole width
+    request_bar = next(line for line in shown.splitlines() if line.startswith("request"))
+    assert request_bar.count("-") == 60
+
+    summary = cli(capsys, "summary", "--dir", str(tmp_path), "--since", "1h")
+    assert summary.startswith("3 requests")
+    acceptance = next(line for line in summary.splitlines() if line.startswith("acceptance"))
+    assert acceptance.split()[1:3] == ["3", f"{trace.acceptance:.2f}"]
+    histogram = [line.split()[0] for line in summary.splitlines() if line.rstrip().endswith("%")]
+    assert histogram == [str(a) for a in range(max(s.accepted for s in decode_rounds) + 1)]
+
+    assert cli_main(["traces", "show", "ffff", "--dir", str(tmp_path)]) == 2  # no such trace
+
+
+def test_html_page_is_self_contained_and_draws_every_round(tracing, tmp_path, capsys):
+    stats = run_request()
+    telemetry.flush()
+    (trace,) = load_traces(tmp_path)
+    out = tmp_path / "trace.html"
+    cli(capsys, "show", trace.trace_id[:10], "--dir", str(tmp_path), "--html", str(out))
+    page = out.read_text()
+    assert page.startswith("<!DOCTYPE html>") and "<svg" in page and "<style>" in page
+    assert "http://" not in page and "https://" not in page
+    assert not re.search(r"""\b(src|href)\s*=|@import|url\(""", page)
+    assert "<script" not in page
+    assert len(re.findall(r'<g class="round"', page)) == len(stats)  # prefill + every round
+    assert len(re.findall(r'<g class="acc-bar"', page)) == len(stats) - 1
+    for st in stats[1:]:
+        assert f"specdec.round = {st.index}\n" in page  # hover titles carry the attributes
+    assert page == render_html(find_trace(load_traces(tmp_path), trace.trace_id))
+
+
+class OTLPReceiver(BaseHTTPRequestHandler):
+    """A real OTLP/HTTP trace receiver: decodes ExportTraceServiceRequest protobuf bodies."""
+
+    received: list = []
+    paths: list = []
+
+    def do_POST(self):
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+            ExportTraceServiceRequest,
+            ExportTraceServiceResponse,
+        )
+
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        request = ExportTraceServiceRequest()
+        request.ParseFromString(body)
+        for resource_spans in request.resource_spans:
+            service = {a.key: a.value.string_value for a in resource_spans.resource.attributes}["service.name"]
+            for scope_spans in resource_spans.scope_spans:
+                for span in scope_spans.spans:
+                    self.received.append((service, span))
+        self.paths.append((self.path, self.headers["Content-Type"]))
+        reply = ExportTraceServiceResponse().SerializeToString()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.send_header("Content-Length", str(len(reply)))
+        self.end_headers()
+        self.wfile.write(reply)
+
+    def log_message(self, *args):
+        pass
+
+
+def grpc_exporter_installed() -> bool:
+    try:
+        import opentelemetry.exporter.otlp.proto.grpc.trace_exporter  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("protocol", [None, "http/protobuf", "grpc"])
+def test_otlp_export_to_a_real_receiver(tmp_path, monkeypatch, protocol):
+    if protocol == "grpc" and grpc_exporter_installed():
+        pytest.skip("the grpc exporter is installed: it would not speak to this HTTP receiver")
+    server = HTTPServer(("127.0.0.1", 0), OTLPReceiver)
+    OTLPReceiver.received, OTLPReceiver.paths = [], []
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    monkeypatch.delenv("SPECDEC_TRACING", raising=False)
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", raising=False)
+    if protocol is None:
+        monkeypatch.delenv("OTEL_EXPORTER_OTLP_PROTOCOL", raising=False)
+    else:  # grpc without its exporter installed falls back to http/protobuf
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", protocol)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{server.server_port}")
+    telemetry.shutdown()
+    try:
+        telemetry.configure_tracing("otlp-router", directory=tmp_path)  # reads the endpoint now
+        stats = run_request()
+        assert telemetry.flush()
+    finally:
+        telemetry.shutdown()
+        server.shutdown()
+    assert OTLPReceiver.paths and all(p == ("/v1/traces", "application/x-protobuf") for p in OTLPReceiver.paths)
+    spans = [span for _, span in OTLPReceiver.received]
+    assert {service for service, _ in OTLPReceiver.received} == {"otlp-router"}
+    by_id = {s.span_id: s for s in spans}
+    (request,) = [s for s in spans if s.name == "request"]
+    rounds = sorted((s for s in spans if s.name in ("prefill", "round")), key=lambda s: s.start_time_unix_nano)
+    assert len(rounds) == len(stats) and all(r.parent_span_id == request.span_id for r in rounds)
+    attrs = lambda s: {a.key: a.value for a in s.attributes}  # noqa: E731
+    assert [attrs(r)["specdec.accepted"].int_value for r in rounds] == [s.accepted for s in stats]
+    assert [r.start_time_unix_nano for r in rounds] == [int(s.started_at * 1e9) for s in stats]
+    for worker in (s for s in spans if s.name in ("draft", "verify")):
+        assert by_id[worker.parent_span_id].name in ("prefill", "round")
+    assert attrs(request)["gen_ai.usage.output_tokens"].int_value == MAX_TOKENS
+    # the JSON-lines file is written as well
+    assert len(load_traces(tmp_path)) == 1
