@@ -70,6 +70,9 @@ class UnitArgs(_Strict):
     resources: WorkerResources = WorkerResources()
     max_concurrent_requests: int = Field(16, ge=1, description="Loop threads per unit.")
     max_num_speculative_tokens: int = Field(16, ge=1, description="Cap on a request's k.")
+    trace_sample_ratio: float = Field(
+        1.0, ge=0, le=1, description="Share of requests traced (a caller's sampled traceparent wins)."
+    )
 
 
 class AppArgs(UnitArgs):

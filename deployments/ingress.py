@@ -13,6 +13,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from specdec import telemetry
 
 app = FastAPI(title="specdec", description="Exact speculative decoding, OpenAI-style API")
 
@@ -146,15 +147,15 @@ class Ingress:
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions")
-    async def completions(self, body: CompletionRequest):
-        return await self._serve(body, {"prompt": body.prompt}, chat=False)
+    async def completions(self, body: CompletionRequest, request: Request):
+        return await self._serve(body, {"prompt": body.prompt}, request, chat=False)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(self, body: ChatCompletionRequest):
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         messages = [{"role": m.role, "content": m.content} for m in body.messages]
-        return await self._serve(body, {"messages": messages}, chat=True)
+        return await self._serve(body, {"messages": messages}, request, chat=True)
 
-    async def _serve(self, body, inputs: dict, *, chat: bool):
+    async def _serve(self, body, inputs: dict, http: Request, *, chat: bool):
         if body.model != self.model_name:
             return _error(404, f"the model '{body.model}' does not exist", param="model", code="model_not_found")
         if refused := body.refuse_unsupported():
@@ -173,12 +174,16 @@ class Ingress:
             "seed": body.seed,
             "stop": body.stop,
             "speculation": body.speculation.model_dump() if body.speculation else None,
+            # The caller's W3C trace context crosses the Ray hop explicitly.
+            "trace_context": telemetry.carrier_from_headers(http.headers),
         }
         events = self.router.generate.remote(req)
         first = await events.__anext__()
         if first["type"] == "error":
             return _error(first["status"], first["message"], param=first.get("param"))
         headers = {"x-specdec-mode": first["mode"]}
+        if first.get("traceparent"):  # the request span: find it with `specdec traces show`
+            headers["traceparent"] = first["traceparent"]
         response = _Response(request_id, self.model_name, chat, body.return_token_ids, first)
         if body.stream:
             return StreamingResponse(

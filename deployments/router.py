@@ -25,6 +25,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from deployments.config import UnitArgs
 from deployments.metrics import UnitMetrics
 from deployments.workers import DraftWorker, RemoteDrafter, RemoteTarget, TargetWorker
+from specdec import telemetry
 from specdec.drafters.model import check_same_vocabulary
 from specdec.drafters.ngram import NgramDrafter
 from specdec.engine import Engine
@@ -64,14 +65,14 @@ def build_engine(args: UnitArgs) -> tuple[Engine, dict]:
     res = args.resources
     target_actor = TargetWorker.options(
         **_worker_options("target", TARGET_BUNDLE, res.target_cpus, res.target_gpus)
-    ).remote(models)
+    ).remote(models, args.trace_sample_ratio)
     drafters = {"ngram": NgramDrafter(spec.ngram_min, spec.ngram_max)}
     actors = {"target": target_actor}
     if models.draft:
         check_same_vocabulary(tokenizer, load_tokenizer(models.draft))
         draft_actor = DraftWorker.options(
             **_worker_options("draft", DRAFT_BUNDLE, res.draft_cpus, res.draft_gpus)
-        ).remote(models)
+        ).remote(models, args.trace_sample_ratio)
         ray.get(draft_actor.ready.remote())
         drafters["draft"] = RemoteDrafter(draft_actor)
         actors["draft"] = draft_actor
@@ -98,6 +99,8 @@ class RequestError(ValueError):
 class SpecRouter:
     def __init__(self, args: dict):
         self.args = UnitArgs.model_validate(args)
+        telemetry.configure_tracing("specdec-router", sample_ratio=self.args.trace_sample_ratio)
+        self.model_name = self.args.models.name
         self.engine, self.actors = build_engine(self.args)
         self._pool = ThreadPoolExecutor(max_workers=self.args.max_concurrent_requests)
         self.metrics = UnitMetrics()
@@ -165,39 +168,64 @@ class SpecRouter:
             emit({"type": "error", "status": 400, "message": str(exc), "param": exc.param})
             return
         mode = kwargs["mode"]
-        emit({"type": "start", "prompt_tokens": len(ids), "mode": mode})
-        rounds, finish, produced, policy = [], None, 0, {}
-        start, ttft = time.perf_counter(), 0.0
-        self.metrics.set_active(mode, +1)
-        stream = self.engine.stream(ids, **kwargs)
-        try:
-            for event in stream:
-                if not rounds:
-                    ttft = time.perf_counter() - start
-                rounds.append(event.stats)
-                self.metrics.round(event.stats)
-                produced += len(event.token_ids)
-                finish = event.finish_reason
-                policy = event.policy or policy
-                emit({"type": "delta", "text": event.text, "token_ids": event.token_ids})
-                if cancelled.is_set():
-                    finish = "cancelled"
-                    break
-        finally:
-            stream.close()
-            self.metrics.set_active(mode, -1)
-        total = time.perf_counter() - start
-        self.metrics.request(tokens=produced, ttft_s=ttft, total_s=total, policy=policy)
-        summary = SpeculationSummary.from_rounds(mode, rounds)
-        emit(
-            {
-                "type": "end",
-                "finish_reason": finish,
-                "prompt_tokens": len(ids),
-                "completion_tokens": produced,
-                "speculation": {**summary.to_dict(), **policy},
-            }
+        params = kwargs["params"]
+        attrs = telemetry.request_attributes(
+            operation="chat" if req.get("messages") is not None else "text_completion",
+            model=self.model_name,
+            request_id=kwargs["request_id"],
+            max_tokens=kwargs["max_tokens"],
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            seed=params.seed,
+            mode=mode,
         )
+        with telemetry.request_span(carrier=req.get("trace_context"), attributes=attrs) as trace:
+            emit(
+                {
+                    "type": "start",
+                    "prompt_tokens": len(ids),
+                    "mode": mode,
+                    "traceparent": telemetry.inject(trace.span).get("traceparent"),
+                }
+            )
+            rounds, finish, produced, policy = [], None, 0, {}
+            start, ttft = time.perf_counter(), 0.0
+            self.metrics.set_active(mode, +1)
+            stream = self.engine.stream(ids, **kwargs)
+            # Without worker actors, the round's draft / verify spans come from its timings.
+            traced = trace.rounds(stream, phases=self.args.colocation == "in_process")
+            try:
+                for event in traced:
+                    if not rounds:
+                        ttft = time.perf_counter() - start
+                    rounds.append(event.stats)
+                    self.metrics.round(event.stats)
+                    produced += len(event.token_ids)
+                    finish = event.finish_reason
+                    policy = event.policy or policy
+                    emit({"type": "delta", "text": event.text, "token_ids": event.token_ids})
+                    if cancelled.is_set():
+                        finish = "cancelled"
+                        break
+            finally:
+                traced.close()
+                stream.close()
+                self.metrics.set_active(mode, -1)
+            total = time.perf_counter() - start
+            self.metrics.request(tokens=produced, ttft_s=ttft, total_s=total, policy=policy)
+            summary = SpeculationSummary.from_rounds(mode, rounds)
+            trace.finish(mode=summary.mode, finish_reason=finish, input_tokens=len(ids), output_tokens=produced)
+            emit(
+                {
+                    "type": "end",
+                    "finish_reason": finish,
+                    "prompt_tokens": len(ids),
+                    "completion_tokens": produced,
+                    "speculation": {**summary.to_dict(), **policy},
+                    "trace_id": trace.span.get_span_context().trace_id.to_bytes(16, "big").hex(),
+                }
+            )
 
     async def generate(self, req: dict):
         """Stream the request's events (dicts) to the ingress."""
@@ -229,3 +257,13 @@ class SpecRouter:
         for name, actor in self.actors.items():
             if name == "target":
                 ray.get(actor.info.remote(), timeout=30)
+
+    def record_autoscaling_stats(self) -> dict:
+        """Custom autoscaling metrics (Serve calls this periodically; deployments/autoscaling.py
+        reads them): requests decoding now and, once the loop feeds ``self.totals`` (a
+        ``UnitTotals``), output tokens/s and draft tokens proposed / accepted per second."""
+        from deployments.autoscaling import StatsRecorder
+
+        if not hasattr(self, "_autoscaling_stats"):
+            self._autoscaling_stats = StatsRecorder()
+        return self._autoscaling_stats.record(self.engine._active, getattr(self, "totals", None))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ray
 
+from specdec import telemetry
 from specdec.config import ModelConfig
 from ray.exceptions import GetTimeoutError, RayError
 
@@ -24,7 +25,8 @@ from specdec.verify import Verdict
 
 @ray.remote
 class TargetWorker:
-    def __init__(self, models: ModelConfig):
+    def __init__(self, models: ModelConfig, trace_sample_ratio: float = 1.0):
+        telemetry.configure_tracing("specdec-target", sample_ratio=trace_sample_ratio)
         model = load_model(models.target, models.dtype, models.device)
         self.runner = ModelRunner(model)
         self._eos = eos_token_ids(load_tokenizer(models.target), model)
@@ -36,9 +38,18 @@ class TargetWorker:
         return ray.get_runtime_context().get_node_id()
 
     def verify(
-        self, seq_id: str, context: list[int], proposal: Proposal, params: SamplingParams, seed: int
+        self,
+        seq_id: str,
+        context: list[int],
+        proposal: Proposal,
+        params: SamplingParams,
+        seed: int,
+        trace: dict | None = None,
     ) -> Verdict:
-        return verify_round(self.runner, seq_id, context, proposal, params, seed)
+        with telemetry.worker_span("verify", trace, {"specdec.k": len(proposal)}) as span:
+            verdict = verify_round(self.runner, seq_id, context, proposal, params, seed)
+            span.set_attribute("specdec.accepted", verdict.num_accepted)
+            return verdict
 
     def release(self, seq_id: str) -> None:
         self.runner.release(seq_id)
@@ -46,7 +57,8 @@ class TargetWorker:
 
 @ray.remote
 class DraftWorker:
-    def __init__(self, models: ModelConfig):
+    def __init__(self, models: ModelConfig, trace_sample_ratio: float = 1.0):
+        telemetry.configure_tracing("specdec-draft", sample_ratio=trace_sample_ratio)
         self.drafter = ModelDrafter(ModelRunner(load_model(models.draft, models.draft_dtype, models.device)))
 
     def ready(self) -> bool:
@@ -56,9 +68,16 @@ class DraftWorker:
         return ray.get_runtime_context().get_node_id()
 
     def propose(
-        self, seq_id: str, context: list[int], k: int, params: SamplingParams, seed: int
+        self,
+        seq_id: str,
+        context: list[int],
+        k: int,
+        params: SamplingParams,
+        seed: int,
+        trace: dict | None = None,
     ) -> Proposal:
-        return self.drafter.propose(seq_id, context, k, params, seed)
+        with telemetry.worker_span("draft", trace, {"specdec.k": k}):
+            return self.drafter.propose(seq_id, context, k, params, seed)
 
     def release(self, seq_id: str) -> None:
         self.drafter.release(seq_id)
@@ -75,7 +94,8 @@ class RemoteTarget:
         # ``proposal`` may be an ObjectRef from the DraftWorker: Ray hands it to the target
         # worker directly.
         try:
-            return ray.get(self.actor.verify.remote(seq_id, context, proposal, params, seed))
+            ref = self.actor.verify.remote(seq_id, context, proposal, params, seed, trace=telemetry.inject())
+            return ray.get(ref)
         except RayError:
             if isinstance(proposal, ray.ObjectRef) and _failed(proposal):
                 raise DraftUnavailable("the draft worker did not deliver its proposal") from None
@@ -109,7 +129,7 @@ class RemoteDrafter:
         self.actor = actor
 
     def propose(self, seq_id, context, k, params, seed):
-        return self.actor.propose.remote(seq_id, context, k, params, seed)
+        return self.actor.propose.remote(seq_id, context, k, params, seed, trace=telemetry.inject())
 
     def observe(self, seq_id: str, proposed: int, accepted: int) -> None:
         pass

@@ -26,6 +26,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from specdec import telemetry
 from specdec.decoding import RoundStats
 
 
@@ -214,23 +215,28 @@ class SpeculationPolicy:
             self.probing = False
             if s >= 1 + cfg.margin_on:
                 self.plain = False
-                self.events.append((index, f"resume:{mode}"))
+                self._note(index, f"resume:{mode}")
             else:
                 self.plain_tokens = 0
         elif not self.plain and s < 1 + cfg.margin_off and self.adaptive:
             self.plain, self.plain_tokens = True, 0
-            self.events.append((index, "fallback"))
+            self._note(index, "fallback")
         if self.plain:
             if self.plain_tokens < cfg.probe_interval:
                 return 0
             self.probing = True
-            self.events.append((index, f"probe:{mode}"))
+            self._note(index, f"probe:{mode}")
             k = min(k, 2)  # a cheap probe
         if mode != self.switch.active:
-            self.events.append((index, f"switch:{mode}"))
+            self._note(index, f"switch:{mode}")
             self.switch.active = mode
         self.k_used[k] += 1
         return k
+
+    def _note(self, index: int, what: str) -> None:
+        """Record a policy decision, and put it on the trace of the round being decided."""
+        self.events.append((index, what))
+        telemetry.add_policy_event(what)
 
     def summary(self) -> dict:
         kinds = Counter(e.split(":")[0] for _, e in self.events)

@@ -2,6 +2,8 @@
 
 import asyncio
 import json
+import os
+import time
 from pathlib import Path
 
 import httpx
@@ -13,6 +15,7 @@ from ray import serve
 
 from deployments.app import build_app
 from deployments.lint import lint_serve_config
+from specdec.traces import load_traces
 from specdec.decoding import DecodeRequest, LocalTarget, decode
 from specdec.runner import ModelRunner, load_model, load_tokenizer
 
@@ -24,7 +27,11 @@ PROMPTS = ["The cat sees", "My friend builds the old", "Def f1(x): return x +"]
 
 
 @pytest.fixture(scope="module")
-def server(llama_pair):
+def server(llama_pair, tmp_path_factory):
+    # Workers inherit the driver's environment: traces go to this module's own directory.
+    home = tmp_path_factory.mktemp("specdec_home")
+    old_home = os.environ.get("SPECDEC_HOME")
+    os.environ["SPECDEC_HOME"] = str(home)
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     for mode in MODES:
@@ -39,9 +46,13 @@ def server(llama_pair):
             "resources": {"target_cpus": 0.5, "draft_cpus": 0.25},
         }
         serve.run(build_app(args), name=mode, route_prefix=f"/{mode}")
-    yield llama_pair
+    yield {**llama_pair, "traces": home / "traces"}
     serve.shutdown()
     ray.shutdown()
+    if old_home is None:
+        os.environ.pop("SPECDEC_HOME", None)
+    else:
+        os.environ["SPECDEC_HOME"] = old_home
 
 
 @pytest.fixture(scope="module")
@@ -220,3 +231,59 @@ def test_draft_worker_killed_mid_stream_the_stream_completes_unchanged(server, r
         if r["speculation"]["accepted_tokens"] > 0:
             break
     assert r["speculation"]["accepted_tokens"] > 0
+
+
+def wait_for_traces(directory, trace_ids, timeout_s=30):
+    """Spans leave the router through a batch processor: poll until all traces are whole."""
+    deadline = time.time() + timeout_s
+    while True:
+        found = {t.trace_id: t for t in load_traces(directory) if t.trace_id in trace_ids}
+        if len(found) == len(trace_ids) and all(t.attr("gen_ai.usage.output_tokens") for t in found.values()):
+            return found
+        assert time.time() < deadline, f"traces not written: {set(trace_ids) - set(found)}"
+        time.sleep(0.5)
+
+
+@pytest.mark.parametrize("colocation", MODES)
+def test_every_request_leaves_a_trace_that_matches_its_response(server, colocation, capsys):
+    responses = {}
+    for prompt, mode in zip(PROMPTS, ["draft", "ngram", "off"]):
+        r = completion(colocation, prompt=prompt, speculation={"mode": mode, "num_speculative_tokens": 3})
+        trace_id = r.headers["traceparent"].split("-")[1]
+        responses[trace_id] = r.json()["speculation"]
+    traces = wait_for_traces(server["traces"], set(responses))
+    for trace_id, spec in responses.items():
+        trace = traces[trace_id]
+        assert len(trace.decode_rounds) == spec["rounds"]
+        assert trace.accepted == spec["accepted_tokens"] and trace.drafted == spec["drafted_tokens"]
+        assert trace.attr("gen_ai.request.model") == MODEL
+        # Worker spans (in process: spans from the round's timings) hang under the rounds;
+        # prompt lookup drafts in the router itself, so only the draft model has a draft span.
+        for rnd in trace.decode_rounds:
+            names = {c.name for c in trace.children(rnd)}
+            assert "verify" in names
+            if rnd.attributes["specdec.mode"] == "draft" and rnd.attributes["specdec.drafted"]:
+                assert "draft" in names
+    # The CLI reads the same files back.
+    from specdec.cli import main
+
+    assert main(["traces", "list", "--dir", str(server["traces"]), "--limit", "50"]) == 0
+    listed = capsys.readouterr().out
+    assert all(tid[:12] in listed for tid in responses)
+    tid, spec = next(iter(responses.items()))
+    assert main(["traces", "show", tid, "--dir", str(server["traces"])]) == 0
+    shown = capsys.readouterr().out
+    assert f"{spec['rounds']}" in shown
+
+
+def test_incoming_traceparent_becomes_the_parent(server):
+    trace_id, parent = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    r = httpx.post(
+        f"{BASE}/in_process/v1/completions",
+        json={"model": MODEL, "prompt": "The cat", "max_tokens": 8, "temperature": 0},
+        headers={"traceparent": f"00-{trace_id}-{parent}-01"},
+        timeout=60,
+    )
+    assert r.status_code == 200 and r.headers["traceparent"].split("-")[1] == trace_id
+    trace = wait_for_traces(server["traces"], {trace_id})[trace_id]
+    assert trace.request.parent_id == parent
