@@ -9,6 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
+from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -178,7 +179,12 @@ class Ingress:
             "trace_context": telemetry.carrier_from_headers(http.headers),
         }
         events = self.router.generate.remote(req)
-        first = await events.__anext__()
+        try:
+            first = await events.__anext__()
+        except BackPressureError:  # the unit's queue is full: tell the client when to retry
+            response = _error(503, "the server is at capacity; retry shortly", code="overloaded")
+            response.headers["retry-after"] = "1"
+            return response
         if first["type"] == "error":
             return _error(first["status"], first["message"], param=first.get("param"))
         headers = {"x-specdec-mode": first["mode"]}

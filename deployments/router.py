@@ -22,6 +22,7 @@ from ray import serve
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from deployments.autoscaling import StatsRecorder, UnitTotals
 from deployments.config import UnitArgs
 from deployments.metrics import UnitMetrics
 from deployments.workers import DraftWorker, RemoteDrafter, RemoteTarget, TargetWorker
@@ -104,6 +105,8 @@ class SpecRouter:
         self.engine, self.actors = build_engine(self.args)
         self._pool = ThreadPoolExecutor(max_workers=self.args.max_concurrent_requests)
         self.metrics = UnitMetrics()
+        self.totals = UnitTotals()  # what the unit produced: its autoscaling capacity
+        self._autoscaling_stats = StatsRecorder()
 
     def reconfigure(self, user_config: dict) -> None:
         """Operator flags (kill switch, default mode, k_max, fallback thresholds), live."""
@@ -201,6 +204,7 @@ class SpecRouter:
                         ttft = time.perf_counter() - start
                     rounds.append(event.stats)
                     self.metrics.round(event.stats)
+                    self.totals.observe(event.stats)
                     produced += len(event.token_ids)
                     finish = event.finish_reason
                     policy = event.policy or policy
@@ -260,10 +264,6 @@ class SpecRouter:
 
     def record_autoscaling_stats(self) -> dict:
         """Custom autoscaling metrics (Serve calls this periodically; deployments/autoscaling.py
-        reads them): requests decoding now and, once the loop feeds ``self.totals`` (a
-        ``UnitTotals``), output tokens/s and draft tokens proposed / accepted per second."""
-        from deployments.autoscaling import StatsRecorder
-
-        if not hasattr(self, "_autoscaling_stats"):
-            self._autoscaling_stats = StatsRecorder()
-        return self._autoscaling_stats.record(self.engine._active, getattr(self, "totals", None))
+        reads them): requests decoding now, output tokens/s and draft tokens proposed /
+        accepted per second."""
+        return self._autoscaling_stats.record(self.engine._active, self.totals)

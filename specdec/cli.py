@@ -88,6 +88,18 @@ def cmd_traces(args: argparse.Namespace) -> int:
     return run_from_args(args)
 
 
+def cmd_check_config(args: argparse.Namespace) -> int:
+    from deployments.lint import lint_file  # imports Ray: only here, never at import time
+
+    bad = 0
+    for path in args.files:
+        problems = lint_file(path)
+        bad += bool(problems)
+        for problem in problems:
+            print(f"{path}: {problem}")
+    return 1 if bad else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec", description="Exact speculative decoding.")
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -107,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
     gen.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    gen.add_argument("--draft-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    gen.add_argument("--draft-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     gen.add_argument("--json", action="store_true", help="print text, token ids and statistics")
     gen.set_defaults(func=cmd_generate)
 
@@ -127,6 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
     traces = sub.add_parser("traces", help="read request traces back: list, show, summary")
     add_traces_arguments(traces)
     traces.set_defaults(func=cmd_traces)
+
+    check = sub.add_parser(
+        "check-config", help="lint Serve configs, RayService manifests, cluster launcher YAML"
+    )
+    check.add_argument("files", nargs="+", metavar="FILE")
+    check.set_defaults(func=cmd_check_config)
     return parser
 
 

@@ -1,0 +1,1 @@
+"""Running specdec on a real cluster: see cluster/README.md."""
