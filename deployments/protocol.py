@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_
 
 class SpeculationOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    mode: Literal["auto", "draft", "ngram", "off"] | None = None
+    mode: Literal["auto", "draft", "ngram", "early_exit", "off"] | None = None
     num_speculative_tokens: int | None = Field(None, ge=1, le=64)
 
 

@@ -66,8 +66,10 @@ def build_engine(args: UnitArgs) -> tuple[Engine, dict]:
     res = args.resources
     target_actor = TargetWorker.options(
         **_worker_options("target", TARGET_BUNDLE, res.target_cpus, res.target_gpus)
-    ).remote(models, args.trace_sample_ratio)
+    ).remote(models, args.trace_sample_ratio, spec.early_exit_threshold)
     drafters = {"ngram": NgramDrafter(spec.ngram_min, spec.ngram_max)}
+    if models.early_exit_adapter or models.early_exit_layer is not None:
+        drafters["early_exit"] = RemoteDrafter(target_actor, "early_exit", "propose_early_exit")
     actors = {"target": target_actor}
     if models.draft:
         check_same_vocabulary(tokenizer, load_tokenizer(models.draft))

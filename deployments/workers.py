@@ -16,6 +16,7 @@ from ray.exceptions import GetTimeoutError, RayError
 
 from specdec.decoding import DraftUnavailable, verify_round
 from specdec.drafters.base import Proposal
+from specdec.drafters.early_exit import load_early_exit
 from specdec.drafters.model import ModelDrafter
 from specdec.engine import eos_token_ids
 from specdec.runner import ModelRunner, load_model, load_tokenizer
@@ -25,11 +26,17 @@ from specdec.verify import Verdict
 
 @ray.remote
 class TargetWorker:
-    def __init__(self, models: ModelConfig, trace_sample_ratio: float = 1.0):
+    def __init__(self, models: ModelConfig, trace_sample_ratio: float = 1.0, early_exit_threshold: float = 0.0):
         telemetry.configure_tracing("specdec-target", sample_ratio=trace_sample_ratio)
         model = load_model(models.target, models.dtype, models.device)
         self.runner = ModelRunner(model)
         self._eos = eos_token_ids(load_tokenizer(models.target), model)
+        # Early exit drafts with the target's own first layers on the target's cache: here.
+        self.early_exit = None
+        if models.early_exit_adapter or models.early_exit_layer is not None:
+            self.early_exit = load_early_exit(
+                self.runner, models.early_exit_layer, models.early_exit_adapter, threshold=early_exit_threshold
+            )
 
     def info(self) -> dict:
         return {"max_length": self.runner.max_length, "eos_token_ids": self._eos}
@@ -50,6 +57,18 @@ class TargetWorker:
             verdict = verify_round(self.runner, seq_id, context, proposal, params, seed)
             span.set_attribute("specdec.accepted", verdict.num_accepted)
             return verdict
+
+    def propose_early_exit(
+        self,
+        seq_id: str,
+        context: list[int],
+        k: int,
+        params: SamplingParams,
+        seed: int,
+        trace: dict | None = None,
+    ) -> Proposal:
+        with telemetry.worker_span("draft", trace, {"specdec.k": k, "specdec.mode": "early_exit"}):
+            return self.early_exit.propose(seq_id, context, k, params, seed)
 
     def release(self, seq_id: str) -> None:
         self.runner.release(seq_id)
@@ -117,19 +136,20 @@ def _failed(ref: ray.ObjectRef) -> bool:
 
 
 class RemoteDrafter:
-    """``specdec.drafters.base.Drafter`` over a DraftWorker actor.
+    """``specdec.drafters.base.Drafter`` over a worker actor's propose method.
 
     ``propose`` returns the ObjectRef of the proposal without waiting for it: the target
-    worker resolves it, so a round costs the router one wait.
+    worker resolves it, so a round costs the router one wait. ``draft`` proposes in the
+    DraftWorker; ``early_exit`` in the TargetWorker, whose cache it shares.
     """
 
-    name = "draft"
-
-    def __init__(self, actor):
+    def __init__(self, actor, name: str = "draft", method: str = "propose"):
         self.actor = actor
+        self.name = name
+        self._propose = getattr(actor, method)
 
     def propose(self, seq_id, context, k, params, seed):
-        return self.actor.propose.remote(seq_id, context, k, params, seed, trace=telemetry.inject())
+        return self._propose.remote(seq_id, context, k, params, seed, trace=telemetry.inject())
 
     def observe(self, seq_id: str, proposed: int, accepted: int) -> None:
         pass

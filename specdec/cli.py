@@ -10,25 +10,38 @@ import sys
 from specdec.sampling import SamplingParams
 
 
-def _demo_pair() -> tuple[str, str]:
-    from specdec.demo import build_demo_models, demo_paths
+def _demo_models() -> tuple[str, str, str | None]:
+    """The demo target, draft and early-exit adapter (built on first use, then cached)."""
+    from specdec.demo import build_demo_models, demo_exit_adapter, demo_paths
 
     build_demo_models()  # returns at once when the cache is complete
     paths = demo_paths()
-    return str(paths["target"]), str(paths["draft"])
+    adapter = demo_exit_adapter()
+    return str(paths["target"]), str(paths["draft"]), str(adapter) if adapter else None
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from specdec.config import ModelConfig, SpeculationConfig
     from specdec.engine import Engine
 
-    target, draft = args.target, args.draft
+    target, draft, adapter = args.target, args.draft, args.early_exit_adapter
     if target is None:
-        target, demo_draft = _demo_pair()
-        draft = draft or demo_draft
+        target, demo_draft, demo_adapter = _demo_models()
+        draft, adapter = draft or demo_draft, adapter or demo_adapter
     engine = Engine.load(
-        ModelConfig(target=target, draft=draft, dtype=args.dtype, draft_dtype=args.draft_dtype),
-        SpeculationConfig(mode=args.mode, num_speculative_tokens=args.k or 4),
+        ModelConfig(
+            target=target,
+            draft=draft,
+            dtype=args.dtype,
+            draft_dtype=args.draft_dtype,
+            early_exit_adapter=adapter,
+            early_exit_layer=args.early_exit_layer,
+        ),
+        SpeculationConfig(
+            mode=args.mode,
+            num_speculative_tokens=args.k or 4,
+            early_exit_threshold=args.early_exit_threshold,
+        ),
     )
     if args.chat:
         prompt_ids = engine.encode(messages=[{"role": "user", "content": args.prompt}])
@@ -109,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--target", help="target model path or id (default: the demo target)")
     gen.add_argument("--draft", help="draft model path or id (default: the demo draft)")
-    gen.add_argument("--mode", default="auto", choices=["auto", "draft", "ngram", "off"])
+    gen.add_argument("--mode", default="auto", choices=["auto", "draft", "ngram", "early_exit", "off"])
     gen.add_argument("--k", type=int, default=None, help="fixed draft tokens per round (default: adaptive)")
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -120,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
     gen.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     gen.add_argument("--draft-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    gen.add_argument("--early-exit-adapter", help="trained exit adapter (default: the demo's)")
+    gen.add_argument("--early-exit-layer", type=int, help="exit after this layer (raw exit, no adapter)")
+    gen.add_argument("--early-exit-threshold", type=float, default=0.0,
+                     help="stop a round's drafting below this exit confidence")
     gen.add_argument("--json", action="store_true", help="print text, token ids and statistics")
     gen.set_defaults(func=cmd_generate)
 

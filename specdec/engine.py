@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from specdec.config import ModelConfig, SpeculationConfig
 from specdec.decoding import DecodeRequest, LocalTarget, RoundStats, Target, decode
 from specdec.drafters.base import Drafter
+from specdec.drafters.early_exit import load_early_exit
 from specdec.drafters.model import ModelDrafter, check_same_vocabulary
 from specdec.drafters.ngram import NgramDrafter
 from specdec.policy import CostModel, ModeSwitch, PolicyConfig, SpeculationPolicy
@@ -102,9 +103,16 @@ class Engine:
             check_same_vocabulary(tokenizer, load_tokenizer(models.draft))
             draft_model = load_model(models.draft, models.draft_dtype, models.device)
             drafters["draft"] = ModelDrafter(ModelRunner(draft_model))
+        target_runner = ModelRunner(target_model)
+        if models.early_exit_adapter or models.early_exit_layer is not None:
+            # Shares the target's runner: the draft runs the target's first layers on its cache.
+            drafters["early_exit"] = load_early_exit(
+                target_runner, models.early_exit_layer, models.early_exit_adapter,
+                threshold=speculation.early_exit_threshold,
+            )
         return cls(
             tokenizer,
-            LocalTarget(ModelRunner(target_model)),
+            LocalTarget(target_runner),
             drafters,
             eos_token_ids=eos_token_ids(tokenizer, target_model),
             speculation=speculation,

@@ -53,7 +53,7 @@ class PolicyConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     kill_switch: bool = Field(False, description="All requests decode plainly.")
-    default_mode: Literal["auto", "draft", "ngram", "off"] | None = Field(
+    default_mode: Literal["auto", "draft", "ngram", "early_exit", "off"] | None = Field(
         None, description="Mode for requests that name none (None: the app's speculation.mode)."
     )
     k_max: int = Field(8, ge=1, le=32, description="Largest k a round may use.")

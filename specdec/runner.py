@@ -129,6 +129,25 @@ class ModelRunner:
         with self._lock:
             self._seqs.pop(seq_id, None)
 
+    @property
+    def lock(self) -> threading.RLock:
+        """Held by every pass; a caller that works on a cache directly (the early-exit
+        drafter) holds it too, so no pass sees the cache half-changed."""
+        return self._lock
+
+    @torch.inference_mode()
+    def hold(self, seq_id: str, ids: list[int]) -> SequenceCache:
+        """Make the sequence's cache hold exactly ``ids`` (crop the rest, feed what is missing)."""
+        with self._lock:
+            seq = self._seq(seq_id)
+            keep = common_prefix_len(seq.ids, ids)
+            self._rollback(seq_id, keep)
+            if keep < len(ids):
+                self._forward(seq_id, ids, 1)
+            seq = self._seqs[seq_id]
+            assert seq.ids == ids
+            return seq
+
     @torch.inference_mode()
     def forward(self, seq_id: str, ids: list[int], num_logits: int = 1) -> torch.Tensor:
         """Logits [num_logits, vocab] (float32) for the last ``num_logits`` positions of ``ids``.

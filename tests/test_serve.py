@@ -41,6 +41,7 @@ def server(llama_pair, tmp_path_factory):
                 "draft": str(llama_pair["draft"]),
                 "dtype": "float32",
                 "served_model_name": MODEL,
+                "early_exit_layer": 2,  # a raw exit after 2 of the target's 4 layers
             },
             "colocation": mode,
             "resources": {"target_cpus": 0.5, "draft_cpus": 0.25},
@@ -80,7 +81,7 @@ def sse_events(text: str) -> list:
 
 
 @pytest.mark.parametrize("colocation", MODES)
-@pytest.mark.parametrize("mode", ["off", "draft", "ngram"])
+@pytest.mark.parametrize("mode", ["off", "draft", "ngram", "early_exit"])
 def test_greedy_over_http_equals_plain_decoding(server, reference, colocation, mode):
     for prompt in PROMPTS:
         r = completion(colocation, prompt=prompt, speculation={"mode": mode, "num_speculative_tokens": 3})

@@ -47,7 +47,13 @@ def demo_paths(home: Path | str | None = None) -> dict:
     """``{"tokenizer": ..., "target": ..., "draft": ...}`` (plus ``"root"`` and ``"metrics"``)."""
     root = demo_home(home)
     return {"tokenizer": root / "tokenizer", "target": root / "target", "draft": root / "draft",
-            "root": root, "metrics": root / "metrics.json"}
+            "root": root, "metrics": root / "metrics.json", "exit": root / "exit"}
+
+
+def demo_exit_adapter(home: Path | str | None = None) -> Path | None:
+    """The demo's early-exit adapter (the shallowest exit layer built), or None."""
+    built = sorted(demo_paths(home)["exit"].glob("layer*"), key=lambda p: int(p.name[5:]))
+    return built[0] if built else None
 
 
 def _complete(root: Path) -> bool:
@@ -82,17 +88,53 @@ def is_demo_complete(home: Path | str | None = None) -> bool:
     return _complete(demo_home(home))
 
 
+def _exit_complete(root: Path) -> bool:
+    """The early-exit adapters (``exit/``) have their own check, so a finished target/draft
+    cache gets them added without a rebuild. Same file names as ``exit_adapter`` (import-free)."""
+    try:
+        layers = json.loads((root / "exit" / "exit.json").read_text()).get("layers", {})
+    except (OSError, ValueError):
+        return False
+    return bool(layers) and all((root / "exit" / f"layer{L}" / name).is_file()
+                                for L in layers for name in ("specdec_exit.json", "exit.safetensors"))
+
+
+def _exit_buildable(root: Path) -> bool:
+    try:
+        model_type = json.loads((root / "target" / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return False
+    return model_type in ("llama", "gpt2")
+
+
+def _ensure_exit(root: Path) -> None:
+    """Phase 7: add the early-exit adapters to a finished cache that lacks them."""
+    if _exit_complete(root):
+        return
+    if not _exit_buildable(root):
+        print(f"[specdec demo] no early-exit adapters: {root / 'target'} is not a Llama/GPT-2 model",
+              file=sys.stderr)
+        return
+    from .exit_adapter import add_exit_adapters
+
+    add_exit_adapters(root)
+
+
 def build_demo_models(home: Path | str | None = None, *, force: bool = False, budget_s: float | None = None,
-                      seed: int = 0, config=None) -> Path:
+                      seed: int = 0, config=None, early_exit: bool = True) -> Path:
     """Build (or find cached) demo models; returns the ``demo`` directory.
 
     ``budget_s`` caps the draft-training phase by wall-clock (the default fixed step count is
     deterministic; a budget makes the result depend on machine speed). ``config`` (a
     :class:`specdec.demo.build.BuildConfig`) overrides the default data/step sizes.
+    ``early_exit``: also build the early-exit adapters (``exit/``); a cache without them gets
+    them added (a few minutes, once) without rebuilding the target or the draft.
     """
     root = demo_home(home)
     if not force and _complete(root):
         print(f"[specdec demo] using cached demo models in {root}", file=sys.stderr)
+        if early_exit:
+            _ensure_exit(root)
         return root
     from .build import BuildConfig, build
 
@@ -103,7 +145,7 @@ def build_demo_models(home: Path | str | None = None, *, force: bool = False, bu
     tmp.mkdir(parents=True)
     try:
         if config is None:
-            config = BuildConfig(seed=seed, budget_s=budget_s)
+            config = BuildConfig(seed=seed, budget_s=budget_s, **({} if early_exit else {"exit_layers": ()}))
         metrics = build(tmp, config)
         if root.exists():
             old = root.parent / f".demo.old-{os.getpid()}-{int(time.time())}"
@@ -115,6 +157,8 @@ def build_demo_models(home: Path | str | None = None, *, force: bool = False, bu
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if early_exit:
+        _ensure_exit(root)
     d = metrics["draft"]
     print(f"[specdec demo] built in {metrics['build_seconds']:.0f} s -> {root}\n"
           f"  draft agreement: code {d['agreement_code_heldout']:.3f}, chat {d['agreement_chat_heldout']:.3f}; "

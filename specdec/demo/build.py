@@ -64,6 +64,7 @@ class BuildConfig:
     warmup: int = 20
     weight_decay: float = 0.0
     budget_s: float | None = None
+    exit_layers: tuple = (8,)  # phase 7: early-exit adapters after these layers (none: skip); 16 fits no budget
     log: list = field(default_factory=list)
 
 
@@ -408,11 +409,11 @@ def agreement(draft, examples: list[dict]) -> float:
 
 
 @torch.no_grad()
-def step_time(model, n_prompt: int = 64, n_steps: int = 24, seed: int = 0) -> float:
+def step_time(model, n_prompt: int = 64, n_steps: int = 24, seed: int = 0, vocab: int = 8000) -> float:
     from transformers import DynamicCache
 
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 8000, (1, n_prompt), generator=g)
+    ids = torch.randint(0, vocab, (1, n_prompt), generator=g)
     times = []
     for rep in range(2):
         cache = DynamicCache()
@@ -505,6 +506,13 @@ def build(out: Path, cfg: BuildConfig) -> dict:
                        "c": round(best / t_tgt, 4), "c_fp32_draft": round(t_d32 / t_tgt, 4),
                        "c_bf16_draft": round(t_d16 / t_tgt, 4),
                        "draft_dtype_fastest": "float32" if t_d32 <= t_d16 else "bfloat16"}
+    if cfg.exit_layers:  # phase 7 reuses this build's teacher data (see exit_adapter.py)
+        from .exit_adapter import ExitBuildConfig, build_exit_adapters
+
+        _say("phase 7: early-exit adapters")
+        metrics["early_exit"] = build_exit_adapters(
+            out / "exit", target, token_ids, examples, {"code": code_eval, "chat": chat_eval},
+            ExitBuildConfig(seed=cfg.seed, exit_layers=tuple(cfg.exit_layers), topk=cfg.topk), draft_dir=draft_dir)
     metrics["build_seconds"] = round(time.time() - t_start, 1)
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     return metrics
