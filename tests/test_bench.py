@@ -235,7 +235,7 @@ def test_concurrency_sweep_against_a_fake_server(fake_url):
 
 def test_config_list_and_filters(monkeypatch):
     names = [c.name for c in build_configs((4,), quick=True, http=False)]
-    assert names == ["off", "draft-k4", "ngram-k4", "draft-adaptive", "auto", "hf-plain", "hf-assisted-k4",
+    assert names == ["off", "draft-k4", "ngram-k4", "early_exit-k4", "draft-adaptive", "auto", "hf-plain", "hf-assisted-k4",
                      "hf-assisted-heuristic", "hf-lookup-k10"]
     full = build_configs((2, 4, 6), quick=False, http=True)
     assert {"draft-k2", "draft-k6", "ngram-k6", "ngram-adaptive", "hf-assisted-default", "hf-lookup-k2",
@@ -276,7 +276,7 @@ def test_quick_tiny_run_writes_every_field(tiny_home, capsys):
 
     expected = [c.name for c in build_configs((4,), quick=True, http=False)]
     assert report["skipped"] == []
-    assert report["models"]["drafters"] == ["draft", "ngram"]
+    assert report["models"]["drafters"] == ["draft", "early_exit", "ngram"]
     # v(k) at --ks and below, the policy's k_max (8) and transformers' lookup default (10).
     assert report["costs"]["c"] > 0 and set(report["costs"]["v"]) == {"0", "1", "2", "3", "4", "8", "10"}
     rows = report["configurations"]

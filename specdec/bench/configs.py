@@ -19,6 +19,7 @@ from dataclasses import dataclass
 OUR_MODES: dict[str, tuple[str, ...]] = {
     "draft": ("fixed", "adaptive"),
     "ngram": ("fixed", "adaptive"),
+    "early_exit": ("fixed",),
     "auto": ("adaptive",),
 }
 

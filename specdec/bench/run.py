@@ -68,17 +68,19 @@ def tiny_pair(arch: str = "llama") -> dict[str, Path]:
     return paths
 
 
-def resolve_models(opts: BenchOptions) -> tuple[str, str | None]:
+def resolve_models(opts: BenchOptions) -> tuple[str, str | None, dict]:
+    """Target, draft, and the early-exit settings (the demo's adapter; a raw exit on tiny)."""
     if opts.target:
-        return opts.target, opts.draft
+        return opts.target, opts.draft, {}
     if opts.tiny:
         paths = tiny_pair()
-    else:
-        from specdec.demo import build_demo_models, demo_paths
+        return str(paths["target"]), opts.draft or str(paths["draft"]), {"early_exit_layer": 2}
+    from specdec.demo import build_demo_models, demo_exit_adapter, demo_paths
 
-        build_demo_models()  # returns at once when cached
-        paths = demo_paths()
-    return str(paths["target"]), opts.draft or str(paths["draft"])
+    build_demo_models()  # returns at once when cached
+    paths, adapter = demo_paths(), demo_exit_adapter()
+    exit_ = {"early_exit_adapter": str(adapter)} if adapter else {}
+    return str(paths["target"]), opts.draft or str(paths["draft"]), exit_
 
 
 class Bench:
@@ -89,9 +91,10 @@ class Bench:
         from specdec.engine import Engine
 
         self.opts = opts
-        self.target_path, self.draft_path = resolve_models(opts)
+        self.target_path, self.draft_path, early_exit = resolve_models(opts)
         self.engine = Engine.load(ModelConfig(
-            target=self.target_path, draft=self.draft_path, dtype=opts.dtype, draft_dtype=opts.draft_dtype
+            target=self.target_path, draft=self.draft_path, dtype=opts.dtype, draft_dtype=opts.draft_dtype,
+            **early_exit,
         ))
         self.engine.eos_token_ids = frozenset()  # every run makes exactly max_tokens tokens
         self.tokenizer = self.engine.tokenizer
