@@ -342,7 +342,7 @@ def test_quick_tiny_run_with_a_server(tiny_home, fake_url, capsys):
     report = json.loads(out.read_text())
     assert "== HTTP concurrency ==" in capsys.readouterr().out
     names = [r["name"] for r in report["configurations"] if r["workload"] == "chat"]
-    assert names == ["off", "draft-k4", "auto", "http-off", "http-draft-k4", "http-ngram-k4", "http-auto"]
+    assert names == ["off", "draft-k4", "auto", "http-off", "http-draft-k4", "http-ngram-k4", "http-early_exit-k4", "http-auto"]
     http = [r for r in report["configurations"] if r["runner"] == "http"]
     for r in http:
         assert set(r) == set(ROW_FIELDS)
@@ -361,4 +361,5 @@ def test_quick_tiny_run_with_a_server(tiny_home, fake_url, capsys):
         "http-off", "http-draft-k4", "http-auto"}  # http-ngram-k4 has no in-process twin here
     sent = {json.dumps(b["speculation"], sort_keys=True) for b in FakeServer.bodies}
     assert sent == {'{"mode": "off"}', '{"mode": "draft", "num_speculative_tokens": 4}',
-                    '{"mode": "ngram", "num_speculative_tokens": 4}', '{"mode": "auto"}'}
+                    '{"mode": "ngram", "num_speculative_tokens": 4}',
+                    '{"mode": "early_exit", "num_speculative_tokens": 4}', '{"mode": "auto"}'}
