@@ -181,9 +181,10 @@ class Ingress:
         events = self.router.generate.remote(req)
         try:
             first = await events.__anext__()
-        except BackPressureError:  # the unit's queue is full: tell the client when to retry
-            response = _error(503, "the server is at capacity; retry shortly", code="overloaded")
-            response.headers["retry-after"] = "1"
+        except BackPressureError as exc:  # the unit's queue is full: say when to retry
+            # Status and Retry-After as the SpecRouter's backpressure_config sets them.
+            response = _error(exc.status_code, f"the server is at capacity ({exc.message})", code="overloaded")
+            response.headers["retry-after"] = str(int(exc.retry_after_s or 1))
             return response
         if first["type"] == "error":
             return _error(first["status"], first["message"], param=first.get("param"))

@@ -197,6 +197,7 @@ def test_router_reports_its_load():
     """SpecRouter.record_autoscaling_stats without Ray: the load its engine sees."""
     router = object.__new__(SpecRouter.func_or_class)
     router.engine = SimpleNamespace(_active=3)
+    router.totals, router._autoscaling_stats = UnitTotals(), StatsRecorder()
     stats = router.record_autoscaling_stats()
     assert stats["ongoing"] == 3.0 and all(isinstance(v, float) for v in stats.values())
 
@@ -355,3 +356,4 @@ def test_backpressure_answers_429_with_retry_after(autoscaled):
     for r in responses:
         if r.status_code == 429:
             assert r.headers["retry-after"] == "3" and "backpressure" in r.text
+            assert r.json()["error"]["code"] == "overloaded"  # an OpenAI error object
