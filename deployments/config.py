@@ -78,6 +78,12 @@ class UnitArgs(_Strict):
     resources: WorkerResources = WorkerResources()
     max_concurrent_requests: int = Field(16, ge=1, description="Loop threads per unit.")
     max_num_speculative_tokens: int = Field(16, ge=1, description="Cap on a request's k.")
+    torch_threads: int | None = Field(
+        None,
+        ge=1,
+        description="CPU threads for the unit's models. Ray sets a process's threads to the CPUs it "
+        "reserved (1 for a 1-CPU bundle); on a CPU node that runs one unit, give it the cores.",
+    )
     trace_sample_ratio: float = Field(
         1.0, ge=0, le=1, description="Share of requests traced (a caller's sampled traceparent wins)."
     )

@@ -18,6 +18,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import ray
+import torch
 from ray import serve
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -60,13 +61,15 @@ def _worker_options(role: str, bundle: int, num_cpus: float, num_gpus: float) ->
 def build_engine(args: UnitArgs) -> tuple[Engine, dict]:
     """The unit's engine, and the worker actors it uses (empty in process)."""
     models, spec = args.models, args.speculation
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     if args.colocation == "in_process":
         return Engine.load(models, spec), {}
     tokenizer = load_tokenizer(models.target)
     res = args.resources
     target_actor = TargetWorker.options(
         **_worker_options("target", TARGET_BUNDLE, res.target_cpus, res.target_gpus)
-    ).remote(models, args.trace_sample_ratio, spec.early_exit_threshold)
+    ).remote(models, args.trace_sample_ratio, spec.early_exit_threshold, args.torch_threads)
     drafters = {"ngram": NgramDrafter(spec.ngram_min, spec.ngram_max)}
     if models.early_exit_adapter or models.early_exit_layer is not None:
         drafters["early_exit"] = RemoteDrafter(target_actor, "early_exit", "propose_early_exit")
@@ -75,7 +78,7 @@ def build_engine(args: UnitArgs) -> tuple[Engine, dict]:
         check_same_vocabulary(tokenizer, load_tokenizer(models.draft))
         draft_actor = DraftWorker.options(
             **_worker_options("draft", DRAFT_BUNDLE, res.draft_cpus, res.draft_gpus)
-        ).remote(models, args.trace_sample_ratio)
+        ).remote(models, args.trace_sample_ratio, args.torch_threads)
         ray.get(draft_actor.ready.remote())
         drafters["draft"] = RemoteDrafter(draft_actor)
         actors["draft"] = draft_actor

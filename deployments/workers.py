@@ -9,6 +9,7 @@ as an object reference, straight from worker to worker, never through the router
 from __future__ import annotations
 
 import ray
+import torch
 
 from specdec import telemetry
 from specdec.config import ModelConfig
@@ -26,8 +27,16 @@ from specdec.verify import Verdict
 
 @ray.remote
 class TargetWorker:
-    def __init__(self, models: ModelConfig, trace_sample_ratio: float = 1.0, early_exit_threshold: float = 0.0):
+    def __init__(
+        self,
+        models: ModelConfig,
+        trace_sample_ratio: float = 1.0,
+        early_exit_threshold: float = 0.0,
+        torch_threads: int | None = None,
+    ):
         telemetry.configure_tracing("specdec-target", sample_ratio=trace_sample_ratio)
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
         model = load_model(models.target, models.dtype, models.device)
         self.runner = ModelRunner(model)
         self._eos = eos_token_ids(load_tokenizer(models.target), model)
@@ -76,8 +85,10 @@ class TargetWorker:
 
 @ray.remote
 class DraftWorker:
-    def __init__(self, models: ModelConfig, trace_sample_ratio: float = 1.0):
+    def __init__(self, models: ModelConfig, trace_sample_ratio: float = 1.0, torch_threads: int | None = None):
         telemetry.configure_tracing("specdec-draft", sample_ratio=trace_sample_ratio)
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
         self.drafter = ModelDrafter(ModelRunner(load_model(models.draft, models.draft_dtype, models.device)))
 
     def ready(self) -> bool:

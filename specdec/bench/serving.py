@@ -18,6 +18,8 @@ import os
 import statistics
 import time
 
+import torch
+
 
 def _http_run(base: str, model: str, prompt: str, mode: str, max_tokens: int) -> dict:
     import httpx
@@ -62,7 +64,7 @@ def measure(args) -> dict:
             os.environ["SPECDEC_TRACING"] = tracing  # inherited by the Ray workers
             ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
             serve.start(http_options={"host": "127.0.0.1", "port": args.port})
-            unit = {"models": models, "colocation": colocation,
+            unit = {"models": models, "colocation": colocation, "torch_threads": torch.get_num_threads(),
                     "resources": {"router_cpus": 0.1, "target_cpus": 1.0, "draft_cpus": 0.5}}
             serve.run(bind_app(unit), name="bench", route_prefix="/")
             base = f"http://127.0.0.1:{args.port}"
