@@ -77,7 +77,6 @@ class UnitArgs(_Strict):
     )
     resources: WorkerResources = WorkerResources()
     max_concurrent_requests: int = Field(16, ge=1, description="Loop threads per unit.")
-    max_num_speculative_tokens: int = Field(16, ge=1, description="Cap on a request's k.")
     torch_threads: int | None = Field(
         None,
         ge=1,

@@ -133,8 +133,9 @@ class SpecRouter:
 
     def _prepare(self, req: dict) -> tuple[list[int], dict]:
         engine = self.engine
+        spec = req.get("speculation") or {}
         try:
-            mode = engine.resolve_mode((req.get("speculation") or {}).get("mode"))
+            mode = engine.resolve_mode(spec.get("mode"))
         except ValueError as exc:
             raise RequestError(str(exc), "speculation.mode") from exc
         try:
@@ -143,16 +144,15 @@ class SpecRouter:
             raise RequestError(f"could not encode the prompt: {exc}", "messages") from exc
         limit = engine.max_length
         max_tokens = req.get("max_tokens")
-        if max_tokens is None:  # as OpenAI: up to the context length
-            max_tokens = max(1, (limit or 16 + len(ids)) - len(ids))
+        if max_tokens is None:  # as OpenAI: 16 for a completion, the rest of the context for chat
+            chat = req.get("messages") is not None
+            max_tokens = max(1, (limit or len(ids) + 16) - len(ids)) if chat else 16
         if limit is not None and len(ids) + max_tokens > limit:
             raise RequestError(
                 f"this model's context length is {limit} tokens; the prompt has {len(ids)} and "
                 f"max_tokens is {max_tokens}",
                 "max_tokens",
             )
-        spec = req.get("speculation") or {}
-        k = spec.get("num_speculative_tokens")
         kwargs = dict(
             max_tokens=max_tokens,
             params=SamplingParams(
@@ -163,7 +163,7 @@ class SpecRouter:
             ),
             stop=req.get("stop") or [],
             mode=mode,
-            k=min(k, self.args.max_num_speculative_tokens) if k else None,
+            k=spec.get("num_speculative_tokens"),  # the policy caps it at the operator's k_max
             request_id=req.get("request_id") or uuid.uuid4().hex,
         )
         return ids, kwargs

@@ -134,20 +134,18 @@ class Engine:
     ) -> tuple[ModeSwitch | None, SpeculationPolicy | None]:
         """The drafter and per-round controller for a request in ``mode`` asking for ``k``.
 
-        A seeded sampling request gets a fixed schedule: which tokens rejection sampling
-        draws depends on how the rounds were cut, and an adaptive schedule follows measured
-        timings, so only a fixed one makes the seed reproduce the same text.
+        Which tokens rejection sampling draws depends on how the rounds were cut, so a seeded
+        sampling request decides on prior costs alone (``CostModel(frozen=True)``): its
+        schedule then follows only its own, seeded, acceptance, and the seed reproduces it.
         """
         if mode == "off":
             return None, None
         seeded = params.seed is not None and not params.greedy
-        if mode == "auto" and seeded:
-            mode = "draft" if "draft" in self.drafters else "ngram"
         switch = ModeSwitch(self.drafters if mode == "auto" else {mode: self.drafters[mode]})
-        adaptive = self.policy.adaptive and (k is None or mode == "auto") and not seeded
+        adaptive = self.policy.adaptive and (k is None or mode == "auto")
         policy = SpeculationPolicy(
             switch=switch,
-            costs=self.costs,
+            costs=CostModel(frozen=True) if seeded else self.costs,
             config=lambda: self.policy,
             k_request=k or self.speculation.num_speculative_tokens,
             adaptive=adaptive,

@@ -58,8 +58,10 @@ class PolicyConfig(BaseModel):
     )
     k_max: int = Field(8, ge=1, le=32, description="Largest k a round may use.")
     adaptive: bool = Field(True, description="Pick k per round; False keeps the request's k.")
-    margin_off: float = Field(0.03, ge=0, description="Fall back when the best S < 1 + this.")
-    margin_on: float = Field(0.10, ge=0, description="Resume when S >= 1 + this (> margin_off).")
+    margin_off: float = Field(
+        0.08, ge=0, description="Fall back when the best S < 1 + this: the model's error margin."
+    )
+    margin_on: float = Field(0.15, ge=0, description="Resume when S >= 1 + this (> margin_off).")
     probe_interval: int = Field(16, ge=1, description="Plain tokens between probe rounds.")
     ewma: float = Field(0.3, gt=0, le=1, description="Weight of the newest round in estimates.")
     prior_acceptance: float = Field(0.6, ge=0, le=1, description="a before any round is seen.")
@@ -79,12 +81,19 @@ class CostModel:
     ``draft_s_per_token``. Priors stand in until measurements arrive.
     """
 
-    def __init__(self, prior_c: dict[str, float] | None = None, prior_verify_slope: float = 0.03):
+    def __init__(
+        self,
+        prior_c: dict[str, float] | None = None,
+        prior_verify_slope: float = 0.03,
+        *,
+        frozen: bool = False,
+    ):
         self.prior_c = {"draft": 0.15, "ngram": 0.01, "early_exit": 0.3, **(prior_c or {})}
         self.prior_verify_slope = prior_verify_slope
         self.step_s: float | None = None
         self.verify_s: dict[int, float] = {}
         self.draft_s_per_token: dict[str, float] = {}
+        self.frozen = frozen  # priors only: decisions that no timing can change (seeded requests)
         self._lock = threading.Lock()
 
     @staticmethod
@@ -92,7 +101,7 @@ class CostModel:
         return new if old is None else (1 - w) * old + w * new
 
     def observe(self, r: RoundStats) -> None:
-        if r.mode == "prefill":
+        if r.mode == "prefill" or self.frozen:
             return
         with self._lock:
             self.verify_s[r.k] = self._ewma(self.verify_s.get(r.k), r.verify_s)

@@ -18,6 +18,7 @@ from specdec.policy import (
     expected_tokens,
 )
 from specdec.runner import load_model
+from specdec.sampling import SamplingParams
 
 
 def test_expected_tokens_formula():
@@ -176,3 +177,16 @@ def test_engine_auto_and_kill_switch(engines):
         assert killed.speculation.mode == "off" and killed.speculation.drafted_tokens == 0
     finally:
         engine.policy = PolicyConfig()
+
+
+def test_seeded_sampling_is_reproducible_under_the_adaptive_policy(engines):
+    """Seeded requests decide on prior costs only: the unit's timings cannot change the text."""
+    engine = engines["good"]
+    ids = engine.encode(prompt="The robot finds the old house. The robot")
+    params = SamplingParams(temperature=1.0, seed=7)
+    first = engine.generate(ids, max_tokens=40, mode="auto", params=params)
+    engine.costs.observe(RoundStats(1, "off", 0, 0, 0, 1, 0.0, 5.0))  # the unit's costs move
+    engine.costs.observe(RoundStats(2, "draft", 4, 4, 0, 1, 9.0, 5.0))
+    again = engine.generate(ids, max_tokens=40, mode="auto", params=params)
+    assert again.token_ids == first.token_ids
+    assert [r.k for r in again.rounds] == [r.k for r in first.rounds]

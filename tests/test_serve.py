@@ -140,6 +140,12 @@ def test_openai_client_works_unchanged(server, colocation):
     assert streamed == chat.choices[0].message.content
 
 
+def test_max_tokens_defaults_like_openai(server):
+    body = {"model": MODEL, "prompt": "The cat sees", "temperature": 0}
+    r = httpx.post(f"{BASE}/in_process/v1/completions", json=body, timeout=60).json()
+    assert r["usage"]["completion_tokens"] == 16  # a completion defaults to 16 tokens
+
+
 def test_stop_strings_and_seeded_sampling(server):
     full = completion("in_process", prompt="The cat sees", max_tokens=24).json()["choices"][0]["text"]
     stop = full[8:11]
