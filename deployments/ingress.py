@@ -175,8 +175,10 @@ class Ingress:
             "seed": body.seed,
             "stop": body.stop,
             "speculation": body.speculation.model_dump() if body.speculation else None,
-            # The caller's W3C trace context crosses the Ray hop explicitly.
-            "trace_context": telemetry.carrier_from_headers(http.headers),
+            # The trace context crosses the Ray hop explicitly: Serve's own span when Serve
+            # tracing is on (it already has the caller's traceparent as its parent), else the
+            # caller's traceparent header.
+            "trace_context": telemetry.inject() or telemetry.carrier_from_headers(http.headers),
         }
         events = self.router.generate.remote(req)
         try:
