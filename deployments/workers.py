@@ -25,6 +25,13 @@ from specdec.sampling import SamplingParams
 from specdec.verify import Verdict
 
 
+def _setup_process(service: str, trace_sample_ratio: float, torch_threads: int | None) -> None:
+    """A worker's process: its tracer, and its CPU threads (Ray gives a 1-CPU actor one)."""
+    telemetry.configure_tracing(service, sample_ratio=trace_sample_ratio)
+    if torch_threads:
+        torch.set_num_threads(torch_threads)
+
+
 @ray.remote
 class TargetWorker:
     def __init__(
@@ -34,9 +41,7 @@ class TargetWorker:
         early_exit_threshold: float = 0.0,
         torch_threads: int | None = None,
     ):
-        telemetry.configure_tracing("specdec-target", sample_ratio=trace_sample_ratio)
-        if torch_threads:
-            torch.set_num_threads(torch_threads)
+        _setup_process("specdec-target", trace_sample_ratio, torch_threads)
         model = load_model(models.target, models.dtype, models.device)
         self.runner = ModelRunner(model)
         self._eos = eos_token_ids(load_tokenizer(models.target), model)
@@ -86,9 +91,7 @@ class TargetWorker:
 @ray.remote
 class DraftWorker:
     def __init__(self, models: ModelConfig, trace_sample_ratio: float = 1.0, torch_threads: int | None = None):
-        telemetry.configure_tracing("specdec-draft", sample_ratio=trace_sample_ratio)
-        if torch_threads:
-            torch.set_num_threads(torch_threads)
+        _setup_process("specdec-draft", trace_sample_ratio, torch_threads)
         self.drafter = ModelDrafter(ModelRunner(load_model(models.draft, models.draft_dtype, models.device)))
 
     def ready(self) -> bool:

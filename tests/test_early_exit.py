@@ -1,12 +1,10 @@
 """The ``early_exit`` drafter: the target's first layers on the target's own cache (fp32 tiny pairs)."""
 
-import itertools
 import json
 from dataclasses import replace
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
 import specdec.demo as demo
 from specdec.config import ModelConfig, SpeculationConfig
@@ -18,8 +16,9 @@ from specdec.drafters.base import Proposal
 from specdec.drafters.early_exit import EarlyExitDrafter, RawExit, ShallowStack
 from specdec.engine import Engine
 from specdec.runner import ModelRunner, load_model, load_tokenizer
-from specdec.sampling import SamplingParams, logits_to_probs
+from specdec.sampling import SamplingParams
 from specdec.tiny import synthetic_corpus
+from three_tokens import three_token_pvalue
 
 PROMPTS = [" ".join(p.split()[:4]) for p in synthetic_corpus(n_sentences=20, seed=99)]
 EXIT = 2  # of the tiny targets' 4 layers
@@ -166,34 +165,10 @@ def _exit_hidden(model, ids, drafts):
 
 def _three_token_test(model, ids, make_drafter, n):
     """p-value of chi-square over the first 3 sampled tokens (top_k=3: 27 cells)."""
-    params = SamplingParams(temperature=1.0, top_k=3)
-    cells = list(itertools.product(range(3), repeat=3))
-    exact, id_of = {}, {}
-    with torch.inference_mode():
-        for c in cells:
-            seq, prob = list(ids), 1.0
-            for rank in c:
-                p = logits_to_probs(model(input_ids=torch.tensor([seq])).logits[0, -1].double(), params)
-                token = int(torch.topk(p, 3).indices[rank])
-                prob *= float(p[token])
-                seq.append(token)
-            exact[c], id_of[tuple(seq[len(ids):])] = prob, c
     runner = ModelRunner(model)
-    target, drafter = LocalTarget(runner), make_drafter(runner)
-    counts = dict.fromkeys(cells, 0)
-    drafted = 0
-    for seed in range(n):
-        request = DecodeRequest(ids, 3, params=SamplingParams(1.0, top_k=3, seed=seed), seq_id=str(seed))
-        steps = list(decode(target, drafter, request, k=2))
-        counts[id_of[tuple(t for s in steps for t in s.tokens)]] += 1
-        drafted += sum(s.stats.drafted for s in steps)
+    pvalue, drafted = three_token_pvalue(model, ids, LocalTarget(runner), make_drafter(runner), n=n, k=2)
     assert drafted >= n  # every sample went through at least one drafted round
-    obs, exp = [counts[c] for c in cells], [exact[c] * n for c in cells]
-    small = [i for i, e in enumerate(exp) if e < 5]
-    big = [i for i in range(len(cells)) if i not in small]
-    obs = [obs[i] for i in big] + [sum(obs[i] for i in small)]
-    exp = [exp[i] for i in big] + [sum(exp[i] for i in small)]
-    return chisquare(obs, exp).pvalue
+    return pvalue
 
 
 class _MisreportsQ(EarlyExitDrafter):
