@@ -171,6 +171,11 @@ def configure_tracing(
 
 
 def _otlp_exporter() -> SpanExporter | None:
+    """The OTLP exporter the environment asks for, or None (not asked, or not installed).
+
+    A missing exporter package never stops a process from starting: the JSON-lines files
+    still get every span, and one log line names what to install.
+    """
     if not (os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")):
         return None
     protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get(
@@ -182,9 +187,18 @@ def _otlp_exporter() -> SpanExporter | None:
 
             return OTLPSpanExporter()
         except ImportError:
-            log.warning("OTLP grpc exporter not installed; exporting traces over http/protobuf")
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
+            log.error(
+                "OTEL_EXPORTER_OTLP_PROTOCOL=grpc needs the OTLP gRPC exporter: pip install "
+                "'specdec[otlp-grpc]'; exporting traces over http/protobuf instead"
+            )
+    try:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    except ImportError:
+        log.error(
+            "OTEL_EXPORTER_OTLP_ENDPOINT is set but the OTLP exporter is not installed "
+            "(pip install opentelemetry-exporter-otlp-proto-http); traces go to JSON lines only"
+        )
+        return None
     return OTLPSpanExporter()  # reads the endpoint (and /v1/traces path) from the environment
 
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import re
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -357,6 +359,15 @@ def test_html_page_is_self_contained_and_draws_every_round(tracing, tmp_path, ca
     assert page == render_html(find_trace(load_traces(tmp_path), trace.trace_id))
 
 
+def _collect(request, received: list) -> None:
+    """Append (service.name, span) for every span of an ExportTraceServiceRequest."""
+    for resource_spans in request.resource_spans:
+        service = {a.key: a.value.string_value for a in resource_spans.resource.attributes}["service.name"]
+        for scope_spans in resource_spans.scope_spans:
+            for span in scope_spans.spans:
+                received.append((service, span))
+
+
 class OTLPReceiver(BaseHTTPRequestHandler):
     """A real OTLP/HTTP trace receiver: decodes ExportTraceServiceRequest protobuf bodies."""
 
@@ -372,11 +383,7 @@ class OTLPReceiver(BaseHTTPRequestHandler):
         body = self.rfile.read(int(self.headers["Content-Length"]))
         request = ExportTraceServiceRequest()
         request.ParseFromString(body)
-        for resource_spans in request.resource_spans:
-            service = {a.key: a.value.string_value for a in resource_spans.resource.attributes}["service.name"]
-            for scope_spans in resource_spans.scope_spans:
-                for span in scope_spans.spans:
-                    self.received.append((service, span))
+        _collect(request, self.received)
         self.paths.append((self.path, self.headers["Content-Type"]))
         reply = ExportTraceServiceResponse().SerializeToString()
         self.send_response(200)
@@ -389,40 +396,84 @@ class OTLPReceiver(BaseHTTPRequestHandler):
         pass
 
 
-def grpc_exporter_installed() -> bool:
-    try:
-        import opentelemetry.exporter.otlp.proto.grpc.trace_exporter  # noqa: F401
-    except ImportError:
-        return False
-    return True
+class _HttpReceiver:
+    protocol_paths = ("/v1/traces", "application/x-protobuf")
+
+    def __init__(self):
+        self.server = HTTPServer(("127.0.0.1", 0), OTLPReceiver)
+        OTLPReceiver.received, OTLPReceiver.paths = [], []
+        self.received, self.paths = OTLPReceiver.received, OTLPReceiver.paths
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.endpoint = f"http://127.0.0.1:{self.server.server_port}"
+
+    def stop(self):
+        self.server.shutdown()
 
 
-@pytest.mark.parametrize("protocol", [None, "http/protobuf", "grpc"])
-def test_otlp_export_to_a_real_receiver(tmp_path, monkeypatch, protocol):
-    if protocol == "grpc" and grpc_exporter_installed():
-        pytest.skip("the grpc exporter is installed: it would not speak to this HTTP receiver")
-    server = HTTPServer(("127.0.0.1", 0), OTLPReceiver)
-    OTLPReceiver.received, OTLPReceiver.paths = [], []
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
+class _GrpcReceiver:
+    """A real OTLP/gRPC trace receiver (the collector's TraceService) on 127.0.0.1."""
+
+    protocol_paths = ("grpc", "TraceService/Export")
+
+    def __init__(self):
+        from concurrent import futures
+
+        import grpc
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+        self.received, self.paths = [], []
+        outer = self
+
+        class Service(trace_service_pb2_grpc.TraceServiceServicer):
+            def Export(self, request, context):
+                _collect(request, outer.received)
+                outer.paths.append(outer.protocol_paths)
+                return trace_service_pb2.ExportTraceServiceResponse()
+
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Service(), self.server)
+        port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+        self.endpoint = f"http://127.0.0.1:{port}"
+
+    def stop(self):
+        self.server.stop(0)
+
+
+def _otlp_env(monkeypatch, endpoint: str, protocol: str | None) -> None:
     monkeypatch.delenv("SPECDEC_TRACING", raising=False)
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", raising=False)
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
     if protocol is None:
         monkeypatch.delenv("OTEL_EXPORTER_OTLP_PROTOCOL", raising=False)
-    else:  # grpc without its exporter installed falls back to http/protobuf
+    else:
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", protocol)
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{server.server_port}")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
+
+
+def _traced_run(directory) -> list:
+    """Configure tracing from the environment, run one traced request, flush; its RoundStats."""
     telemetry.shutdown()
     try:
-        telemetry.configure_tracing("otlp-router", directory=tmp_path)  # reads the endpoint now
+        telemetry.configure_tracing("otlp-router", directory=directory)  # reads the endpoint now
         stats = run_request()
         assert telemetry.flush()
     finally:
         telemetry.shutdown()
-        server.shutdown()
-    assert OTLPReceiver.paths and all(p == ("/v1/traces", "application/x-protobuf") for p in OTLPReceiver.paths)
-    spans = [span for _, span in OTLPReceiver.received]
-    assert {service for service, _ in OTLPReceiver.received} == {"otlp-router"}
+    return stats
+
+
+@pytest.mark.parametrize("protocol", [None, "http/protobuf", "grpc"])
+def test_otlp_export_to_a_real_receiver(tmp_path, monkeypatch, protocol):
+    receiver = _GrpcReceiver() if protocol == "grpc" else _HttpReceiver()
+    _otlp_env(monkeypatch, receiver.endpoint, protocol)
+    try:
+        stats = _traced_run(tmp_path)
+    finally:
+        receiver.stop()
+    assert receiver.paths and all(p == receiver.protocol_paths for p in receiver.paths)
+    spans = [span for _, span in receiver.received]
+    assert {service for service, _ in receiver.received} == {"otlp-router"}
     by_id = {s.span_id: s for s in spans}
     (request,) = [s for s in spans if s.name == "request"]
     rounds = sorted((s for s in spans if s.name in ("prefill", "round")), key=lambda s: s.start_time_unix_nano)
@@ -435,3 +486,31 @@ def test_otlp_export_to_a_real_receiver(tmp_path, monkeypatch, protocol):
     assert attrs(request)["gen_ai.usage.output_tokens"].int_value == MAX_TOKENS
     # the JSON-lines file is written as well
     assert len(load_traces(tmp_path)) == 1
+
+
+def test_grpc_without_its_exporter_names_the_extra_and_falls_back_to_http(tmp_path, monkeypatch, caplog):
+    """OTEL_EXPORTER_OTLP_PROTOCOL=grpc without the grpc extra: one error naming the extra, and
+    the spans still reach the collector over http/protobuf."""
+    receiver = _HttpReceiver()
+    monkeypatch.setitem(sys.modules, "opentelemetry.exporter.otlp.proto.grpc.trace_exporter", None)
+    _otlp_env(monkeypatch, receiver.endpoint, "grpc")
+    try:
+        with caplog.at_level(logging.ERROR, logger="specdec.telemetry"):
+            _traced_run(tmp_path)
+    finally:
+        receiver.stop()
+    assert "specdec[otlp-grpc]" in caplog.text
+    assert receiver.paths and all(p == receiver.protocol_paths for p in receiver.paths)
+    assert len(load_traces(tmp_path)) == 1
+
+
+def test_a_missing_otlp_exporter_keeps_the_json_lines_and_says_so(tmp_path, monkeypatch, caplog):
+    """No OTLP exporter at all: the process still starts, every span still reaches the
+    JSON-lines file, and one error line says what to install."""
+    monkeypatch.setitem(sys.modules, "opentelemetry.exporter.otlp.proto.http.trace_exporter", None)
+    _otlp_env(monkeypatch, "http://127.0.0.1:9", None)
+    with caplog.at_level(logging.ERROR, logger="specdec.telemetry"):
+        stats = _traced_run(tmp_path)
+    assert "opentelemetry-exporter-otlp-proto-http" in caplog.text
+    (trace,) = load_traces(tmp_path)
+    assert sum(1 for s in trace.spans if s.name in ("prefill", "round")) == len(stats)
