@@ -76,7 +76,24 @@ class UnitArgs(_Strict):
         "for CPUs and small models).",
     )
     resources: WorkerResources = WorkerResources()
-    max_concurrent_requests: int = Field(16, ge=1, description="Loop threads per unit.")
+    max_concurrent_requests: int = Field(
+        16, ge=1, description="Requests a unit takes at once (running in its batch or waiting for room)."
+    )
+    max_num_seqs: int = Field(
+        16, ge=1, description="Rows in one batched step. More raises throughput under load and the "
+        "time of every step; requests beyond it wait in the unit's queue."
+    )
+    step_tokens: int = Field(
+        512, ge=16, description="Tokens one step may feed the target: long prompts are prefilled in "
+        "chunks of what is left, so one long prompt cannot stall every other stream."
+    )
+    kv_cache_tokens: int | None = Field(
+        None, ge=64, description="The KV cache's size in tokens, shared by the unit's requests (each "
+        "reserves prompt + max_tokens); None sizes it from the device (60% of free GPU memory, 10% of RAM)."
+    )
+    worker_timeout_s: float = Field(
+        120.0, gt=0, description="actors: longest a worker may take over one step before the step fails."
+    )
     torch_threads: int | None = Field(
         None,
         ge=1,

@@ -26,11 +26,11 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from deployments.autoscaling import StatsRecorder, UnitTotals
 from deployments.config import UnitArgs
 from deployments.metrics import UnitMetrics
-from deployments.workers import DraftWorker, RemoteDrafter, RemoteTarget, TargetWorker
+from deployments.workers import DraftWorker, RemoteDraft, RemoteTarget, TargetWorker
 from specdec import telemetry
 from specdec.drafters.model import check_same_vocabulary
-from specdec.drafters.ngram import NgramDrafter
-from specdec.engine import Engine
+from specdec.batch.loop import StepLoop
+from specdec.engine import Engine, available_modes
 from specdec.policy import PolicyConfig
 from specdec.runner import load_tokenizer
 from specdec.sampling import SamplingParams
@@ -63,34 +63,32 @@ def build_engine(args: UnitArgs) -> tuple[Engine, dict]:
     models, spec = args.models, args.speculation
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
+    sizes = dict(max_num_seqs=args.max_num_seqs, step_tokens=args.step_tokens)
     if args.colocation == "in_process":
-        return Engine.load(models, spec), {}
+        return Engine.load(models, spec, kv_cache_tokens=args.kv_cache_tokens, **sizes), {}
     tokenizer = load_tokenizer(models.target)
     res = args.resources
     target_actor = TargetWorker.options(
         **_worker_options("target", TARGET_BUNDLE, res.target_cpus, res.target_gpus)
-    ).remote(models, args.trace_sample_ratio, spec.early_exit_threshold, args.torch_threads)
-    drafters = {"ngram": NgramDrafter(spec.ngram_min, spec.ngram_max)}
-    if models.early_exit_adapter or models.early_exit_layer is not None:
-        drafters["early_exit"] = RemoteDrafter(target_actor, "early_exit", "propose_early_exit")
+    ).remote(models, spec, args.trace_sample_ratio, args.torch_threads, args.kv_cache_tokens)
+    info = ray.get(target_actor.info.remote())
     actors = {"target": target_actor}
+    draft = None
     if models.draft:
         check_same_vocabulary(tokenizer, load_tokenizer(models.draft))
         draft_actor = DraftWorker.options(
             **_worker_options("draft", DRAFT_BUNDLE, res.draft_cpus, res.draft_gpus)
-        ).remote(models, args.trace_sample_ratio, args.torch_threads)
+        ).remote(models, info["capacity_tokens"], args.trace_sample_ratio, args.torch_threads)
         ray.get(draft_actor.ready.remote())
-        drafters["draft"] = RemoteDrafter(draft_actor)
+        draft = RemoteDraft(draft_actor)
         actors["draft"] = draft_actor
-    info = ray.get(target_actor.info.remote())
-    engine = Engine(
-        tokenizer,
-        RemoteTarget(target_actor, info["max_length"]),
-        drafters,
-        eos_token_ids=info["eos_token_ids"],
-        speculation=spec,
+    loop = StepLoop(
+        RemoteTarget(target_actor, info["max_length"], args.worker_timeout_s), draft, available_modes(models),
+        tokenizer=tokenizer, eos_token_ids=info["eos_token_ids"], capacity_tokens=info["capacity_tokens"],
+        ngram=(spec.ngram_min, spec.ngram_max), default_k=spec.num_speculative_tokens,
+        max_length=info["max_length"], **sizes,
     )
-    return engine, actors
+    return Engine(tokenizer, loop, speculation=spec), actors
 
 
 class RequestError(ValueError):
@@ -125,6 +123,7 @@ class SpecRouter:
             "node_id": ray.get_runtime_context().get_node_id(),
             "max_length": self.engine.max_length,
             "modes": ["off", "auto", *self.engine.drafters],
+            "usage": self.engine.loop.usage(),
             "colocation": self.args.colocation,
             "workers": {name: ray.get(actor.node_id.remote()) for name, actor in self.actors.items()},
             "worker_names": {name: worker_name(name) for name in self.actors},
@@ -164,8 +163,12 @@ class SpecRouter:
             stop=req.get("stop") or [],
             mode=mode,
             k=spec.get("num_speculative_tokens"),  # the policy caps it at the operator's k_max
-            request_id=req.get("request_id") or uuid.uuid4().hex,
         )
+        try:
+            engine.request(ids, **kwargs)  # validated once here: a refusal is the client's 400
+        except ValueError as exc:
+            raise RequestError(str(exc), "max_tokens") from exc
+        kwargs["request_id"] = req.get("request_id") or uuid.uuid4().hex  # for traces; never a cache key
         return ids, kwargs
 
     def _run(self, req: dict, emit, cancelled: threading.Event) -> None:
@@ -201,8 +204,8 @@ class SpecRouter:
             start, ttft = time.perf_counter(), 0.0
             self.metrics.set_active(mode, +1)
             stream = self.engine.stream(ids, **kwargs)
-            # Without worker actors, the round's draft / verify spans come from its timings.
-            traced = trace.rounds(stream, phases=self.args.colocation == "in_process")
+            # One step serves many requests: each round's draft / verify spans come from its timings.
+            traced = trace.rounds(stream, phases=True)
             try:
                 for event in traced:
                     if not rounds:
@@ -271,4 +274,4 @@ class SpecRouter:
         """Custom autoscaling metrics (Serve calls this periodically; deployments/autoscaling.py
         reads them): requests decoding now, output tokens/s and draft tokens proposed /
         accepted per second."""
-        return self._autoscaling_stats.record(self.engine._active, self.totals)
+        return self._autoscaling_stats.record(self.engine.active, self.totals)

@@ -1,28 +1,28 @@
 """The unit's model workers: Ray actors the router starts in its own placement group.
 
-Each worker holds one model and a KV cache per request id; the router sends the full token
-ids on every call and the runner reconciles (DESIGN.md), so a restarted worker simply
-re-prefills. The draft's proposal (with its ``q`` rows when sampling) travels to the target
-as an object reference, straight from worker to worker, never through the router.
+Each worker holds one model on its token pool. The router's step loop owns every request's
+token ids and the pool layout, and sends them with every call; a worker reconciles its cache
+with them (``specdec.batch.runner``), so a restarted worker simply re-prefills. A step costs
+ONE call per worker for the whole batch: the DraftWorker drafts for every ``draft`` row, and
+its result travels to the TargetWorker as an object reference, worker to worker, never
+through the router; the TargetWorker drafts the ``early_exit`` rows, verifies every row, and
+reports its own compute times.
 """
 
 from __future__ import annotations
 
 import ray
 import torch
-
-from specdec import telemetry
-from specdec.config import ModelConfig
 from ray.exceptions import GetTimeoutError, RayError
 
-from specdec.decoding import DraftUnavailable, verify_round
-from specdec.drafters.base import Proposal
-from specdec.drafters.early_exit import load_early_exit
-from specdec.drafters.model import ModelDrafter
-from specdec.engine import eos_token_ids
-from specdec.runner import ModelRunner, load_model, load_tokenizer
-from specdec.sampling import SamplingParams
-from specdec.verify import Verdict
+from specdec import telemetry
+from specdec.batch.drafters import DraftResult, DraftRow
+from specdec.batch.runner import BatchRow
+from specdec.batch.target import StepResult, TargetRow
+from specdec.config import ModelConfig, SpeculationConfig
+from specdec.decoding import DraftUnavailable
+from specdec.engine import load_draft, load_target_step
+from specdec.runner import load_tokenizer
 
 
 def _setup_process(service: str, trace_sample_ratio: float, torch_threads: int | None) -> None:
@@ -37,62 +37,32 @@ class TargetWorker:
     def __init__(
         self,
         models: ModelConfig,
+        speculation: SpeculationConfig,
         trace_sample_ratio: float = 1.0,
-        early_exit_threshold: float = 0.0,
         torch_threads: int | None = None,
+        kv_cache_tokens: int | None = None,
     ):
         _setup_process("specdec-target", trace_sample_ratio, torch_threads)
-        model = load_model(models.target, models.dtype, models.device)
-        self.runner = ModelRunner(model)
-        self._eos = eos_token_ids(load_tokenizer(models.target), model)
-        # Early exit drafts with the target's own first layers on the target's cache: here.
-        self.early_exit = None
-        if models.early_exit_adapter or models.early_exit_layer is not None:
-            self.early_exit = load_early_exit(
-                self.runner, models.early_exit_layer, models.early_exit_adapter, threshold=early_exit_threshold
-            )
+        self.target, self._eos = load_target_step(models, speculation, load_tokenizer(models.target), kv_cache_tokens)
 
     def info(self) -> dict:
-        return {"max_length": self.runner.max_length, "eos_token_ids": self._eos}
+        return {"max_length": self.target.max_length, "eos_token_ids": self._eos,
+                "capacity_tokens": self.target.runner.capacity}
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
-    def verify(
-        self,
-        seq_id: str,
-        context: list[int],
-        proposal: Proposal,
-        params: SamplingParams,
-        seed: int,
-        trace: dict | None = None,
-    ) -> Verdict:
-        with telemetry.worker_span("verify", trace, {"specdec.k": len(proposal)}) as span:
-            verdict = verify_round(self.runner, seq_id, context, proposal, params, seed)
-            span.set_attribute("specdec.accepted", verdict.num_accepted)
-            return verdict
-
-    def propose_early_exit(
-        self,
-        seq_id: str,
-        context: list[int],
-        k: int,
-        params: SamplingParams,
-        seed: int,
-        trace: dict | None = None,
-    ) -> Proposal:
-        with telemetry.worker_span("draft", trace, {"specdec.k": k, "specdec.mode": "early_exit"}):
-            return self.early_exit.propose(seq_id, context, k, params, seed)
-
-    def release(self, seq_id: str) -> None:
-        self.runner.release(seq_id)
+    def step(self, rows: list[TargetRow], chunks: list[BatchRow], external: DraftResult | None,
+             release: list[str]) -> StepResult:
+        return self.target.run(rows, chunks, external, release)
 
 
 @ray.remote
 class DraftWorker:
-    def __init__(self, models: ModelConfig, trace_sample_ratio: float = 1.0, torch_threads: int | None = None):
+    def __init__(self, models: ModelConfig, capacity_tokens: int, trace_sample_ratio: float = 1.0,
+                 torch_threads: int | None = None):
         _setup_process("specdec-draft", trace_sample_ratio, torch_threads)
-        self.drafter = ModelDrafter(ModelRunner(load_model(models.draft, models.draft_dtype, models.device)))
+        self.draft = load_draft(models, capacity_tokens)
 
     def ready(self) -> bool:
         return True
@@ -100,42 +70,37 @@ class DraftWorker:
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
-    def propose(
-        self,
-        seq_id: str,
-        context: list[int],
-        k: int,
-        params: SamplingParams,
-        seed: int,
-        trace: dict | None = None,
-    ) -> Proposal:
-        with telemetry.worker_span("draft", trace, {"specdec.k": k}):
-            return self.drafter.propose(seq_id, context, k, params, seed)
-
-    def release(self, seq_id: str) -> None:
-        self.drafter.release(seq_id)
+    def propose(self, rows: list[DraftRow], release: list[str]) -> DraftResult:
+        return self.draft.propose(rows, release)
 
 
 class RemoteTarget:
-    """``specdec.decoding.Target`` over a TargetWorker actor (called from a router thread)."""
+    """The step loop's target side over a TargetWorker (one call per step)."""
 
-    def __init__(self, actor, max_length: int | None):
+    def __init__(self, actor, max_length: int | None, timeout_s: float | None = None):
         self.actor = actor
         self.max_length = max_length
+        self.timeout_s = timeout_s
 
-    def verify(self, seq_id, context, proposal, params, seed) -> Verdict:
-        # ``proposal`` may be an ObjectRef from the DraftWorker: Ray hands it to the target
+    def run(self, rows, chunks, external, release) -> StepResult:
+        # ``external`` may be an ObjectRef from the DraftWorker: Ray hands it to the target
         # worker directly.
         try:
-            ref = self.actor.verify.remote(seq_id, context, proposal, params, seed, trace=telemetry.inject())
-            return ray.get(ref)
+            return ray.get(self.actor.step.remote(rows, chunks, external, list(release)), timeout=self.timeout_s)
         except RayError:
-            if isinstance(proposal, ray.ObjectRef) and _failed(proposal):
-                raise DraftUnavailable("the draft worker did not deliver its proposal") from None
+            if isinstance(external, ray.ObjectRef) and _failed(external):
+                raise DraftUnavailable("the draft worker did not deliver its proposals") from None
             raise
 
-    def release(self, seq_id: str) -> None:
-        self.actor.release.remote(seq_id)
+
+class RemoteDraft:
+    """The step loop's draft side over a DraftWorker: returns the ObjectRef at once."""
+
+    def __init__(self, actor):
+        self.actor = actor
+
+    def propose(self, rows, release):
+        return self.actor.propose.remote(rows, list(release))
 
 
 def _failed(ref: ray.ObjectRef) -> bool:
@@ -147,26 +112,3 @@ def _failed(ref: ray.ObjectRef) -> bool:
         return False
     except RayError:
         return True
-
-
-class RemoteDrafter:
-    """``specdec.drafters.base.Drafter`` over a worker actor's propose method.
-
-    ``propose`` returns the ObjectRef of the proposal without waiting for it: the target
-    worker resolves it, so a round costs the router one wait. ``draft`` proposes in the
-    DraftWorker; ``early_exit`` in the TargetWorker, whose cache it shares.
-    """
-
-    def __init__(self, actor, name: str = "draft", method: str = "propose"):
-        self.actor = actor
-        self.name = name
-        self._propose = getattr(actor, method)
-
-    def propose(self, seq_id, context, k, params, seed):
-        return self._propose.remote(seq_id, context, k, params, seed, trace=telemetry.inject())
-
-    def observe(self, seq_id: str, proposed: int, accepted: int) -> None:
-        pass
-
-    def release(self, seq_id: str) -> None:
-        self.actor.release.remote(seq_id)

@@ -1,40 +1,31 @@
-"""An in-process engine: tokenizer, target, drafters and the decoding loop together.
+"""The engine: tokenizer, the unit's step loop and its speculation settings together.
 
-Used by the CLI and by a serving unit that loads its models in process. Text handling
-(chat templates, stop strings, streaming deltas) lives here; the loop in ``decoding`` sees
-only token ids.
+Used by the CLI and by a serving unit. Text in (a prompt or chat messages), events out. Every
+request goes through the batched step loop (``specdec.batch.loop``), alone or with others;
+its parts are local (``Engine.load``) or worker actors (the serving unit in ``actors`` mode).
 """
 
 from __future__ import annotations
 
-import threading
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from specdec import telemetry
+from specdec.batch.drafters import EarlyExitBatchDrafter, LocalDraft, ModelBatchDrafter
+from specdec.batch.loop import Event, GenerationRequest, StepLoop
+from specdec.batch.runner import BatchRunner
+from specdec.batch.target import TargetStep
 from specdec.config import ModelConfig, SpeculationConfig
-from specdec.decoding import DecodeRequest, LocalTarget, RoundStats, Target, decode
-from specdec.drafters.base import Drafter
-from specdec.drafters.early_exit import load_early_exit
-from specdec.drafters.model import ModelDrafter, check_same_vocabulary
-from specdec.drafters.ngram import NgramDrafter
-from specdec.policy import CostModel, ModeSwitch, PolicyConfig, SpeculationPolicy
-from specdec.runner import ModelRunner, load_model, load_tokenizer
+from specdec.decoding import RoundStats  # noqa: F401  (Completion.rounds)
+from specdec.drafters.early_exit import exit_parts
+from specdec.drafters.model import check_same_vocabulary
+from specdec.policy import PolicyConfig
+from specdec.runner import load_model, load_tokenizer
 from specdec.sampling import SamplingParams
 from specdec.stats import SpeculationSummary
-from specdec.text import TextStream
 
-
-@dataclass
-class Event:
-    """One round's output as text and ids; ``finish_reason`` is set on the last event."""
-
-    text: str
-    token_ids: list[int]
-    stats: RoundStats
-    finish_reason: str | None = None
-    policy: dict | None = None  # the controller's summary, on the last event
+__all__ = ["Completion", "Engine", "Event", "eos_token_ids", "load_draft", "load_target_step", "local_parts"]
 
 
 @dataclass
@@ -66,61 +57,54 @@ def eos_token_ids(tokenizer, model) -> frozenset[int]:
 
 
 class Engine:
-    """Text in, tokens and text out, over any ``Target`` and set of drafters.
+    """Text in, tokens and text out, over the unit's step loop.
 
-    ``Engine.load`` puts the models in this process; a serving unit may pass remote ones.
+    ``Engine.load`` puts the models in this process; a serving unit may pass a loop over
+    worker actors.
     """
 
-    def __init__(
-        self,
-        tokenizer,
-        target: Target,
-        drafters: dict[str, Drafter],
-        *,
-        eos_token_ids: frozenset[int],
-        speculation: SpeculationConfig | None = None,
-        policy: PolicyConfig | None = None,
-    ):
+    def __init__(self, tokenizer, loop: StepLoop, *, speculation: SpeculationConfig | None = None,
+                 policy: PolicyConfig | None = None):
         self.tokenizer = tokenizer
-        self.target = target
-        self.drafters = drafters
-        self.eos_token_ids = eos_token_ids
+        self.loop = loop
         self.speculation = speculation or SpeculationConfig()
         self.policy = policy or PolicyConfig()  # replaced whole, live, by operators
-        self.costs = CostModel()  # the unit's measured draft / verify costs
-        self._active = 0  # requests decoding now: the load the policy sees
-        self._active_lock = threading.Lock()
+        loop.policy_config = lambda: self.policy
 
     @classmethod
-    def load(cls, models: ModelConfig, speculation: SpeculationConfig | None = None) -> "Engine":
+    def load(cls, models: ModelConfig, speculation: SpeculationConfig | None = None, *,
+             kv_cache_tokens: int | None = None, max_num_seqs: int = 16, step_tokens: int = 512) -> "Engine":
         speculation = speculation or SpeculationConfig()
         tokenizer = load_tokenizer(models.target)
-        target_model = load_model(models.target, models.dtype, models.device)
-        drafters: dict[str, Drafter] = {
-            "ngram": NgramDrafter(speculation.ngram_min, speculation.ngram_max)
-        }
-        if models.draft:
-            check_same_vocabulary(tokenizer, load_tokenizer(models.draft))
-            draft_model = load_model(models.draft, models.draft_dtype, models.device)
-            drafters["draft"] = ModelDrafter(ModelRunner(draft_model))
-        target_runner = ModelRunner(target_model)
-        if models.early_exit_adapter or models.early_exit_layer is not None:
-            # Shares the target's runner: the draft runs the target's first layers on its cache.
-            drafters["early_exit"] = load_early_exit(
-                target_runner, models.early_exit_layer, models.early_exit_adapter,
-                threshold=speculation.early_exit_threshold,
-            )
-        return cls(
-            tokenizer,
-            LocalTarget(target_runner),
-            drafters,
-            eos_token_ids=eos_token_ids(tokenizer, target_model),
-            speculation=speculation,
-        )
+        target, draft, modes, eos = local_parts(models, speculation, tokenizer, kv_cache_tokens)
+        loop = StepLoop(target, draft, modes, tokenizer=tokenizer, eos_token_ids=eos,
+                        capacity_tokens=target.runner.capacity, max_num_seqs=max_num_seqs,
+                        step_tokens=step_tokens, ngram=(speculation.ngram_min, speculation.ngram_max),
+                        default_k=speculation.num_speculative_tokens, max_length=target.max_length)
+        return cls(tokenizer, loop, speculation=speculation)
+
+    @property
+    def drafters(self) -> list[str]:
+        """The speculation modes this engine can draft with."""
+        return self.loop.modes
 
     @property
     def max_length(self) -> int | None:
-        return self.target.max_length
+        return self.loop.max_length
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.loop.eos_token_ids
+
+    @property
+    def costs(self):
+        """The unit's measured step costs (``specdec.batch.schedule.StepCosts``)."""
+        return self.loop.costs
+
+    @property
+    def active(self) -> int:
+        """Requests in the unit now (running or waiting): its load."""
+        return self.loop.active
 
     def resolve_mode(self, mode: str | None) -> str:
         """The mode a request runs in: its own, else the default; the kill switch wins."""
@@ -128,30 +112,6 @@ class Engine:
         if mode not in ("auto", "off") and mode not in self.drafters:
             raise ValueError(f"speculation mode {mode!r} is not available (no draft model configured)")
         return "off" if self.policy.kill_switch else mode
-
-    def _policy(
-        self, mode: str, k: int | None, params: SamplingParams
-    ) -> tuple[ModeSwitch | None, SpeculationPolicy | None]:
-        """The drafter and per-round controller for a request in ``mode`` asking for ``k``.
-
-        Which tokens rejection sampling draws depends on how the rounds were cut, so a seeded
-        sampling request decides on prior costs alone (``CostModel(frozen=True)``): its
-        schedule then follows only its own, seeded, acceptance, and the seed reproduces it.
-        """
-        if mode == "off":
-            return None, None
-        seeded = params.seed is not None and not params.greedy
-        switch = ModeSwitch(self.drafters if mode == "auto" else {mode: self.drafters[mode]})
-        adaptive = self.policy.adaptive and (k is None or mode == "auto")
-        policy = SpeculationPolicy(
-            switch=switch,
-            costs=CostModel(frozen=True) if seeded else self.costs,
-            config=lambda: self.policy,
-            k_request=k or self.speculation.num_speculative_tokens,
-            adaptive=adaptive,
-            load=lambda: self._active,
-        )
-        return switch, policy
 
     def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
         """Prompt ids from plain text or from chat messages (the tokenizer's chat template)."""
@@ -165,44 +125,36 @@ class Engine:
             raise ValueError("either prompt or messages is required")
         return self.tokenizer(prompt)["input_ids"]
 
-    def stream(
-        self,
-        prompt_ids: list[int],
-        *,
-        max_tokens: int,
-        params: SamplingParams = SamplingParams(),
-        stop: list[str] | None = None,
-        mode: str | None = None,
-        k: int | None = None,
-        request_id: str | None = None,
-    ) -> Iterator[Event]:
-        mode = self.resolve_mode(mode)
-        drafter, policy = self._policy(mode, k, params)
-        request = DecodeRequest(
-            prompt_ids=list(prompt_ids),
-            max_tokens=max_tokens,
-            params=params,
-            eos_token_ids=self.eos_token_ids,
-            seq_id=request_id or uuid.uuid4().hex,
-        )
-        text = TextStream(self.tokenizer, stop=list(stop or []))
-        steps = decode(self.target, drafter, request, k=policy or 0)
-        with self._active_lock:
-            self._active += 1
+    def request(self, prompt_ids: list[int], *, max_tokens: int, params: SamplingParams = SamplingParams(),
+                stop: list[str] | None = None, mode: str | None = None, k: int | None = None,
+                ignore_eos: bool = False) -> GenerationRequest:
+        """The one place a request is validated and defaulted."""
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if not prompt_ids:
+            raise ValueError("the prompt must have at least one token")
+        limit = self.max_length
+        if limit is not None and len(prompt_ids) + max_tokens > limit:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) "
+                f"exceeds the model's context length ({limit})"
+            )
+        req = GenerationRequest(list(prompt_ids), max_tokens, params, self.resolve_mode(mode), k,
+                                tuple(stop or ()), ignore_eos)
+        self.loop.check_fits(req)
+        return req
+
+    def stream(self, prompt_ids: list[int], **kwargs) -> Iterator[Event]:
+        """The request's events as its rounds finish; closing the iterator cancels it."""
+        kwargs.pop("request_id", None)  # cache keys are the loop's own, never a caller's
+        handle = self.loop.submit(self.request(prompt_ids, **kwargs))
         try:
-            for step in steps:
-                delta, kept = text.add(step.tokens)
-                finish = "stop" if text.stopped else step.finish_reason
-                if finish:
-                    delta += text.finish()
-                summary = (policy.summary() if policy else {}) if finish else None
-                yield Event(delta, kept, step.stats, finish_reason=finish, policy=summary)
-                if finish:
-                    return
+            for event in handle:
+                for what in event.policy_events:  # onto the round being traced, if any
+                    telemetry.add_policy_event(what)
+                yield event
         finally:
-            steps.close()  # releases the caches, also when the consumer stops early
-            with self._active_lock:
-                self._active -= 1
+            handle.cancel()
 
     def generate(self, prompt_ids: list[int], **kwargs) -> Completion:
         mode = self.resolve_mode(kwargs.get("mode"))
@@ -229,3 +181,43 @@ class Engine:
             ttft_s=ttft,
             total_s=time.perf_counter() - start,
         )
+
+
+def local_parts(models: ModelConfig, speculation: SpeculationConfig, tokenizer,
+                kv_cache_tokens: int | None = None) -> tuple[TargetStep, LocalDraft | None, list[str], frozenset[int]]:
+    """The target's step (with early exit, when configured), the draft's, the modes they
+    offer and the EOS ids, with the models in this process."""
+    target, eos = load_target_step(models, speculation, tokenizer, kv_cache_tokens)
+    draft = None
+    if models.draft:
+        check_same_vocabulary(tokenizer, load_tokenizer(models.draft))
+        draft = load_draft(models, target.runner.capacity)
+    return target, draft, available_modes(models), eos
+
+
+def available_modes(models: ModelConfig) -> list[str]:
+    """The drafters a model configuration offers."""
+    modes = ["ngram"]
+    if models.draft:
+        modes.append("draft")
+    if models.early_exit_adapter or models.early_exit_layer is not None:
+        modes.append("early_exit")
+    return modes
+
+
+def load_target_step(models: ModelConfig, speculation: SpeculationConfig, tokenizer,
+                     kv_cache_tokens: int | None = None) -> tuple[TargetStep, frozenset[int]]:
+    """The target model on its token pool, with its early-exit drafter when configured."""
+    target_model = load_model(models.target, models.dtype, models.device)
+    runner = BatchRunner(target_model, capacity_tokens=kv_cache_tokens)
+    early_exit = None
+    if models.early_exit_adapter or models.early_exit_layer is not None:
+        stack, head = exit_parts(target_model, models.early_exit_layer, models.early_exit_adapter)
+        early_exit = EarlyExitBatchDrafter(runner, stack, head, speculation.early_exit_threshold)
+    return TargetStep(runner, early_exit), eos_token_ids(tokenizer, target_model)
+
+
+def load_draft(models: ModelConfig, capacity_tokens: int) -> LocalDraft:
+    """The draft model on a pool of the target's size (the step loop lays out both alike)."""
+    draft_model = load_model(models.draft, models.draft_dtype, models.device)
+    return LocalDraft(ModelBatchDrafter(BatchRunner(draft_model, capacity_tokens=capacity_tokens)))

@@ -65,13 +65,6 @@ class PolicyConfig(BaseModel):
     probe_interval: int = Field(16, ge=1, description="Plain tokens between probe rounds.")
     ewma: float = Field(0.3, gt=0, le=1, description="Weight of the newest round in estimates.")
     prior_acceptance: float = Field(0.6, ge=0, le=1, description="a before any round is seen.")
-    load_penalty: float = Field(
-        0.0,
-        ge=0,
-        description="Extra verify cost per drafted token for each other request on the unit. "
-        "0 for a unit that runs one sequence per pass (the CPU runner); > 0 where the "
-        "target batches requests and becomes compute-bound under load (GPUs).",
-    )
 
 
 class CostModel:
@@ -117,19 +110,18 @@ class CostModel:
             return self.prior_c.get(mode, 0.2)
         return d / self.step_s
 
-    def v(self, k: int, load: int = 1, load_penalty: float = 0.0) -> float:
-        """v(k): measured where known, else the prior slope; plus the load penalty."""
-        penalty = load_penalty * max(0, load - 1) * k
+    def v(self, k: int) -> float:
+        """v(k): measured where known, else the prior slope."""
         if k == 0:
             return 1.0
         if self.step_s and k in self.verify_s:
-            return max(1.0, self.verify_s[k] / self.step_s) + penalty
+            return max(1.0, self.verify_s[k] / self.step_s)
         slope = self.prior_verify_slope
         if self.step_s and self.verify_s:  # fit the slope through the measured points
             slopes = [(t / self.step_s - 1.0) / kk for kk, t in self.verify_s.items() if kk > 0]
             if slopes:
                 slope = max(0.0, sum(slopes) / len(slopes))
-        return 1.0 + slope * k + penalty
+        return 1.0 + slope * k
 
 
 class ModeSwitch:
@@ -168,7 +160,6 @@ class SpeculationPolicy:
     config: Callable[[], PolicyConfig]  # read every round: operator flags apply live
     k_request: int | None = None  # a request's explicit k (capped at k_max)
     adaptive: bool = True  # False: the request asked for a fixed mode and k
-    load: Callable[[], int] = lambda: 1
     acceptance: dict[str, float] = field(default_factory=dict)
     plain: bool = False  # in fallback
     plain_tokens: int = 0
@@ -197,12 +188,11 @@ class SpeculationPolicy:
     def _best(self, cfg: PolicyConfig) -> tuple[str, int, float]:
         """The best (mode, k, expected speedup) over the available drafters."""
         k_max = min(cfg.k_max, self.k_request or cfg.k_max) if not self.adaptive else cfg.k_max
-        load = self.load()
         options = []
         for mode in self.switch.drafters:
             a = self.acceptance.get(mode, cfg.prior_acceptance)
             c = self.costs.c(mode)
-            v = lambda k: self.costs.v(k, load, cfg.load_penalty)
+            v = self.costs.v
             if self.adaptive:
                 k, s = best_k(a, c, v, k_max)
             else:

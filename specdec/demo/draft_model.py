@@ -54,7 +54,9 @@ class ReducedHeadLlamaForCausalLM(LlamaForCausalLM):
                          past_key_values=past_key_values, inputs_embeds=inputs_embeds,
                          use_cache=use_cache, **kwargs)
         hidden = out.last_hidden_state
-        if isinstance(logits_to_keep, int) and logits_to_keep > 0:
+        if isinstance(logits_to_keep, torch.Tensor):  # positions (the batched runner's rows)
+            hidden = hidden[:, logits_to_keep]
+        elif logits_to_keep > 0:
             hidden = hidden[:, -logits_to_keep:]
         small = self.lm_head(hidden).float()
         full = small.new_full((*small.shape[:-1], self.config.vocab_size), float("-inf"))

@@ -80,20 +80,35 @@ class ShallowStack:
         assert input_ids.dim() == 2 and input_ids.shape[0] == 1, input_ids.shape
         past = cache.get_seq_length()  # layer 0: a shallow layer, so drafts count
         position_ids = torch.arange(past, past + input_ids.shape[1], device=input_ids.device)[None]
-        cfg = self.base.config
+        embeds = self._embed(input_ids)
+        mask = create_causal_mask(config=self.base.config, inputs_embeds=embeds, attention_mask=None,
+                                  cache=cache, position_ids=position_ids)
+        return self.layers_forward(input_ids, position_ids, mask, cache)
+
+    def hidden_rows(self, runner, keys: list[str], feeds: list[int], positions: list[int]) -> torch.Tensor:
+        """One token per row through the shallow layers, on a ``BatchRunner``'s pool: row i
+        feeds ``feeds[i]`` at ``positions[i]`` (what the runner holds for it stays as it is).
+        Returns the hidden states [rows, d]."""
+        from specdec.batch.cache import RowPlan
+
+        plans = [RowPlan(runner.start_of(key), pos, 1) for key, pos in zip(keys, positions)]
+        position_ids, mask = runner.cache.plan(plans)
+        input_ids = torch.tensor([feeds], dtype=torch.long, device=runner.device)
+        return self.layers_forward(input_ids, position_ids, mask, runner.cache)[0]
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.base.embed_tokens(input_ids) if self.arch == "llama" else self.base.wte(input_ids)
+
+    def layers_forward(self, input_ids, position_ids, mask, cache) -> torch.Tensor:
+        """Layers ``0 .. num_layers-1`` with the given positions and attention mask."""
         if self.arch == "llama":
             h = self.base.embed_tokens(input_ids)
-            mask = create_causal_mask(config=cfg, inputs_embeds=h, attention_mask=None, cache=cache,
-                                      position_ids=position_ids)
             rope = self.base.rotary_emb(h, position_ids=position_ids)
             for layer in self.layers[: self.num_layers]:
                 h = layer(h, attention_mask=mask, position_embeddings=rope, position_ids=position_ids,
                           cache=cache, use_cache=True)
             return h
-        embeds = self.base.wte(input_ids)
-        h = self.base.drop(embeds + self.base.wpe(position_ids))
-        mask = create_causal_mask(config=cfg, inputs_embeds=embeds, attention_mask=None, cache=cache,
-                                  position_ids=position_ids)
+        h = self.base.drop(self.base.wte(input_ids) + self.base.wpe(position_ids))
         for block in self.layers[: self.num_layers]:
             h = block(h, cache, mask, None, encoder_attention_mask=None, use_cache=True,
                       position_ids=position_ids)
@@ -201,18 +216,31 @@ class EarlyExitDrafter:
         pass  # the cache is the target's: the target releases it
 
 
+def exit_parts(
+    model: nn.Module, exit_layer: int | None = None, adapter: str | None = None,
+    *, dtype: torch.dtype = torch.float32,
+) -> tuple[ShallowStack, nn.Module]:
+    """The shallow stack and exit head for ``model``: a trained adapter (which names its layer),
+    or a raw exit at ``exit_layer``."""
+    head = None
+    if adapter:
+        from specdec.demo.exit_adapter import load_exit_adapter
+
+        head = load_exit_adapter(adapter, dtype=dtype, target_config=model.config)
+        head = head.to(next(model.parameters()).device)
+        if exit_layer is not None and head.exit_layer != exit_layer:
+            raise ValueError(f"the exit head was trained for layer {head.exit_layer}, not {exit_layer}")
+        exit_layer = head.exit_layer
+    if exit_layer is None:
+        raise ValueError("early_exit needs an exit layer or an exit adapter")
+    stack = ShallowStack(model, exit_layer)
+    return stack, (head if head is not None else RawExit(stack)).eval()
+
+
 def load_early_exit(
     runner: ModelRunner, exit_layer: int | None = None, adapter: str | None = None,
     *, threshold: float = 0.0, dtype: torch.dtype = torch.float32,
 ) -> EarlyExitDrafter:
     """An ``early_exit`` drafter on the target's runner: a trained adapter, or a raw exit."""
-    head = None
-    if adapter:
-        from specdec.demo.exit_adapter import load_exit_adapter
-
-        head = load_exit_adapter(adapter, dtype=dtype, target_config=runner.model.config)
-        head = head.to(runner.device)
-        exit_layer = head.exit_layer if exit_layer is None else exit_layer
-    if exit_layer is None:
-        raise ValueError("early_exit needs an exit layer or an exit adapter")
-    return EarlyExitDrafter(runner, exit_layer, head, threshold=threshold)
+    stack, head = exit_parts(runner.model, exit_layer, adapter, dtype=dtype)
+    return EarlyExitDrafter(runner, stack.num_layers, head, threshold=threshold)

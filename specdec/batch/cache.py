@@ -1,0 +1,141 @@
+"""A KV cache shared by many sequences: one token pool per model, a flat ragged layout per step.
+
+Memory is a budget in tokens, not a count of sequences. Each layer's keys and values live in
+one pool tensor ``[capacity + 1, kv_heads, head_dim]`` (row 0 is scratch). A sequence owns a
+contiguous range of pool rows, reserved when it is admitted (prompt + max_tokens + slack) and
+returned when it leaves; ``RangeAllocator`` hands the ranges out first-fit.
+
+A step runs every row's new tokens as ONE flat sequence of ``T`` tokens (batch size 1, no
+padding): a prefill chunk of 200 tokens and seven 1-token decode rows cost 207 positions, not
+8 x 200. ``FlatBatchCache.plan`` turns the rows into
+
+- ``position_ids`` [1, T]: each token's position within its own sequence;
+- write indices [T]: the pool row each new token's key/value goes to;
+- read indices [S]: the pool rows of every row's keys, old and new, back to back;
+- a float additive mask [1, 1, T, S]: token t of row r sees key s iff s belongs to r and
+  s's position <= t's position (a float mask: eager attention adds it).
+
+Rollback is bookkeeping only: a row's length is whatever its caller says it keeps; positions
+past it are overwritten by the next tokens fed there.
+
+Worked example (two rows; row a holds 3 tokens in pool rows 1-3 and feeds 1, row b holds 2 in
+pool rows 9-10 and feeds 2)::
+
+    position_ids = [3 | 2, 3]            write = [4 | 11, 12]
+    read = [1, 2, 3, 4 | 9, 10, 11, 12]  token 0 sees keys 0-3, token 1 keys 4-6, token 2 keys 4-7
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache
+
+
+class RangeAllocator:
+    """First-fit contiguous ranges in ``[1, capacity]`` (0 is the scratch row)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._free: list[tuple[int, int]] = [(1, capacity)]  # (start, length), sorted by start
+
+    @property
+    def free_tokens(self) -> int:
+        return sum(n for _, n in self._free)
+
+    def largest_free(self) -> int:
+        return max((n for _, n in self._free), default=0)
+
+    def allocate(self, n: int) -> int | None:
+        """The start of a free range of ``n`` rows, or None when no hole is that large."""
+        for i, (start, length) in enumerate(self._free):
+            if length >= n:
+                if length == n:
+                    del self._free[i]
+                else:
+                    self._free[i] = (start + n, length - n)
+                return start
+        return None
+
+    def free(self, start: int, n: int) -> None:
+        """Return a range; merge it with its neighbours."""
+        self._free.append((start, n))
+        self._free.sort()
+        merged: list[tuple[int, int]] = []
+        for s, length in self._free:
+            if merged and merged[-1][0] + merged[-1][1] == s:
+                merged[-1] = (merged[-1][0], merged[-1][1] + length)
+            else:
+                merged.append((s, length))
+        self._free = merged
+
+
+@dataclass
+class RowPlan:
+    """One row of a step: the sequence's pool range, tokens it keeps, tokens it feeds."""
+
+    start: int  # first pool row of the sequence
+    keep: int  # tokens already in the cache that stay (the rest is rolled back)
+    feed: int  # new tokens this step
+
+
+class FlatBatchCache(Cache):
+    """The pool, seen by a Hugging Face model as its cache for one flat step.
+
+    ``update`` writes the step's keys / values into the pool and returns the rows' keys and
+    values gathered back to back ``[1, kv_heads, S, head_dim]``.
+    """
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, capacity: int, *,
+                 dtype: torch.dtype, device: torch.device | str):
+        super().__init__(layers=[])
+        self.capacity = capacity
+        shape = (capacity + 1, kv_heads, head_dim)  # + the scratch row 0
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.dtype, self.device = dtype, torch.device(device)
+        self._write: torch.Tensor | None = None
+        self._read: torch.Tensor | None = None
+
+    @staticmethod
+    def bytes_per_token(config, dtype: torch.dtype) -> int:
+        """Pool bytes one cached token takes (keys and values, every layer)."""
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return 2 * config.num_hidden_layers * heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def plan(self, rows: list[RowPlan]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Bind the next forward to ``rows``; returns (position_ids [1, T], mask [1, 1, T, S])."""
+        dev = self.device
+        q_pos, write, read, q_row, k_row, k_pos = [], [], [], [], [], []
+        for r, row in enumerate(rows):
+            q = torch.arange(row.keep, row.keep + row.feed)
+            q_pos.append(q)
+            write.append(row.start + q)
+            n = row.keep + row.feed
+            read.append(torch.arange(row.start, row.start + n))
+            q_row.append(torch.full((row.feed,), r))
+            k_row.append(torch.full((n,), r))
+            k_pos.append(torch.arange(n))
+        q_pos, k_pos = torch.cat(q_pos), torch.cat(k_pos)
+        q_row, k_row = torch.cat(q_row), torch.cat(k_row)
+        self._write, self._read = torch.cat(write).to(dev), torch.cat(read).to(dev)
+        visible = (q_row[:, None] == k_row[None, :]) & (k_pos[None, :] <= q_pos[:, None])  # [T, S]
+        mask = torch.zeros(visible.shape, dtype=self.dtype)
+        mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
+        return q_pos[None].to(dev), mask[None, None].to(dev)
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        # key_states: [1, kv_heads, T, head_dim]
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        keys[self._write] = key_states[0].transpose(0, 1).to(keys.dtype)
+        values[self._write] = value_states[0].transpose(0, 1).to(values.dtype)
+        return keys[self._read].transpose(0, 1)[None], values[self._read].transpose(0, 1)[None]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # positions come from plan(); nothing in a model should need this
+
+    @property
+    def is_compileable(self) -> bool:
+        return False

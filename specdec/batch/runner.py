@@ -1,0 +1,170 @@
+"""A model runner for many sequences at once: one forward per step over every row's new tokens.
+
+The caller owns the truth (each sequence's token ids), the runner owns the cache, as in
+``specdec.runner.ModelRunner``: every row of a step is reconciled with the ids it is given
+(keep the longest common prefix, roll back the rest, feed what is missing). Rejection
+rollback, a restarted worker and a re-prefill are one code path. Rows are ragged: a prefill
+chunk, a plain row (1 token) and a speculative row (``k + 1`` tokens) run in the same pass.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.batch.cache import FlatBatchCache, RowPlan
+from specdec.runner import common_prefix_len
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BatchRow:
+    """What one sequence asks of a step.
+
+    ``ids``: the tokens the cache must hold afterwards (the caller's truth);
+    ``num_logits``: logits wanted for the last this-many positions (0 for a prefill chunk
+    that produces no token); ``capacity``: pool rows to reserve if the sequence is new.
+    """
+
+    key: str
+    ids: list[int]
+    num_logits: int = 1
+    start: int = 0  # first pool row of the sequence's range (the step loop's allocator decides)
+    capacity: int = 0  # rows in that range
+
+
+@dataclass
+class _Seq:
+    start: int
+    capacity: int
+    ids: list[int] = field(default_factory=list)
+
+
+def default_capacity(config, dtype: torch.dtype, device: torch.device, max_length: int | None) -> int:
+    """Pool tokens sized from the device: 60% of free GPU memory, or 10% of RAM on a CPU;
+    never more than 64 full-length sequences."""
+    per_token = FlatBatchCache.bytes_per_token(config, dtype)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(0.6 * free)
+    else:
+        budget = int(0.1 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    return max(1024, min(budget // per_token, 64 * (max_length or 4096)))
+
+
+class BatchRunner:
+    """One model, one token pool, many sequences. Thread-safe (one lock serialises passes)."""
+
+    def __init__(self, model: torch.nn.Module, *, capacity_tokens: int | None = None):
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        cfg = model.config
+        capacity = capacity_tokens or default_capacity(cfg, self.dtype, self.device, self.max_length)
+        heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.cache = FlatBatchCache(cfg.num_hidden_layers, heads, head_dim, capacity,
+                                    dtype=self.dtype, device=self.device)
+        self._seqs: dict[str, _Seq] = {}
+        self.last_fed = 0  # tokens the last forward fed (its cost driver)
+        self._lock = threading.RLock()
+        params = inspect.signature(model.forward).parameters
+        # transformers 5.24 renamed past_key_values to cache; older models keep the old name.
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    @property
+    def capacity(self) -> int:
+        return self.cache.capacity
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    @property
+    def max_length(self) -> int | None:
+        cfg = self.model.config
+        return getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+
+    @property
+    def lock(self) -> threading.RLock:
+        return self._lock
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._seqs
+
+    def start_of(self, key: str) -> int:
+        """The first pool row of ``key``'s range."""
+        return self._seqs[key].start
+
+    def cached_ids(self, key: str) -> list[int]:
+        seq = self._seqs.get(key)
+        return list(seq.ids) if seq else []
+
+    def release(self, key: str) -> None:
+        """Forget ``key`` (its pool rows are the allocator's to hand out again)."""
+        with self._lock:
+            self._seqs.pop(key, None)
+
+    def truncate(self, key: str, length: int) -> None:
+        """Roll ``key`` back to its first ``length`` tokens (bookkeeping only)."""
+        with self._lock:
+            seq = self._seqs.get(key)
+            if seq is not None:
+                del seq.ids[length:]
+
+    def _plan_row(self, row: BatchRow) -> tuple[_Seq, RowPlan] | None:
+        assert 0 <= row.num_logits <= len(row.ids), (row.num_logits, len(row.ids))
+        seq = self._seqs.get(row.key)
+        if seq is None or (seq.start, seq.capacity) != (row.start, row.capacity):
+            if not (1 <= row.start and row.start + row.capacity - 1 <= self.capacity):
+                raise ValueError(f"sequence {row.key}: pool range {row.start}+{row.capacity} is outside the pool")
+            seq = self._seqs[row.key] = _Seq(row.start, row.capacity)  # new, or restarted elsewhere
+        if len(row.ids) > seq.capacity:
+            raise ValueError(f"sequence {row.key} needs {len(row.ids)} tokens; it reserved {seq.capacity}")
+        keep = min(common_prefix_len(seq.ids, row.ids), len(row.ids) - row.num_logits)
+        del seq.ids[keep:]
+        if keep == len(row.ids):
+            return None  # nothing to feed, no logits asked
+        return seq, RowPlan(seq.start, keep, len(row.ids) - keep)
+
+    @torch.inference_mode()
+    def forward(self, rows: list[BatchRow]) -> list[torch.Tensor]:
+        """Per row, logits [num_logits, vocab] (float32, CPU) for its last positions.
+
+        One model pass over every row's new tokens. Afterwards each row's cache holds its ids.
+        """
+        with self._lock:
+            return self._forward(rows)
+
+    def _forward(self, rows: list[BatchRow]) -> list[torch.Tensor]:
+        planned = [(i, *p) for i, row in enumerate(rows) if (p := self._plan_row(row)) is not None]
+        out = [torch.empty(0, self.vocab_size) for _ in rows]
+        if not planned:
+            return out
+        tokens, keep_idx, offset = [], [], 0
+        self.last_fed = sum(plan.feed for _, _, plan in planned)
+        for i, seq, plan in planned:
+            row = rows[i]
+            tokens.extend(row.ids[plan.keep:])
+            offset += plan.feed
+            keep_idx.extend(range(offset - row.num_logits, offset))
+        position_ids, mask = self.cache.plan([plan for _, _, plan in planned])
+        input_ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        # Only the positions whose logits are asked for go through the LM head.
+        keep = torch.tensor(keep_idx or [len(tokens) - 1], dtype=torch.long, device=self.device)
+        result = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                            use_cache=True, logits_to_keep=keep, **{self._cache_kw: self.cache})
+        logits = result.logits[0].float().cpu()
+        at = 0
+        for i, seq, plan in planned:
+            row = rows[i]
+            seq.ids = list(row.ids)
+            out[i] = logits[at: at + row.num_logits]
+            at += row.num_logits
+        return out

@@ -1,0 +1,173 @@
+"""Choosing each request's k under load: the goodput rule (SmartSpec, arXiv 2406.14066).
+
+A step's time is modelled as ``T = verify(tokens in the batch) + sum_m draft_m(steps, rows)``,
+both linear and fitted online from the unit's own measurements. With per-token acceptance
+``a_i``, the j-th draft token of request i adds ``a_i^j`` expected tokens. Starting from
+``k_i = 0`` for every row, draft tokens are added greedily, highest ``a_i^(k_i+1)`` first, while
+
+    a_i^(k_i+1) > G * dT        (G = expected tokens / T, the step's goodput so far)
+
+so speculation shrinks by itself as the batch fills (every added token delays every row) and
+comes back when the batch empties. Rows whose k is fixed (an explicit k, a probe, a seeded
+sampling request that must not depend on what it is batched with) are taken as they are.
+
+Worked example (costs in ms: verify = 40 + 2.5 per token, a draft step 4 + 1 per row): one
+row with a = 0.8 starts at G = 1 / 42.5. Its 1st draft adds 0.8 tokens for 2.5 + 5 = 7.5 ms
+(0.8 > 0.0235 * 7.5 = 0.18: taken), its 2nd 0.64 for 7.5 ms, ... With eight rows at a = 0.3
+and plain decoding at 57.5 ms, G = 0.139: a first draft adds 0.3 for 2.5 + 1 + 4 = 7.5 ms
+(0.3 < 1.04: not taken), so a full batch of weak drafts decodes plainly.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+PRIOR_STEP_S = 0.04  # a plain step of one row before anything is measured (replaced at once)
+
+
+class _Line:
+    """``y = a + b x`` fitted by least squares to the last ``window`` samples; before two
+    distinct x are seen, ``b = prior_slope * a`` through the mean point."""
+
+    def __init__(self, prior_a: float, prior_slope: float, window: int = 64):
+        self.a, self.b = prior_a, prior_slope * prior_a
+        self.prior_slope = prior_slope
+        self.samples: deque[tuple[float, float]] = deque(maxlen=window)
+        self.seen = False
+
+    def observe(self, x: float, y: float) -> None:
+        self.samples.append((x, y))
+        self.seen = True
+        n = len(self.samples)
+        mx = sum(s[0] for s in self.samples) / n
+        my = sum(s[1] for s in self.samples) / n
+        var = sum((s[0] - mx) ** 2 for s in self.samples)
+        if var > 0:
+            b = sum((s[0] - mx) * (s[1] - my) for s in self.samples) / var
+            b = max(b, 0.0)
+            self.a, self.b = max(my - b * mx, 1e-6), b
+        else:  # one x so far: keep the prior's shape through the measured point
+            self.a = my / (1 + self.prior_slope * mx)
+            self.b = self.prior_slope * self.a
+
+    def __call__(self, x: float) -> float:
+        return self.a + self.b * x
+
+
+class StepCosts:
+    """The unit's measured step costs, fitted online (thread-safe).
+
+    ``verify_s(tokens)``: one target pass over that many tokens in the batch (all rows);
+    ``draft_step_s(mode, rows)``: one batched draft step over that many rows.
+
+    It also serves each request's ``SpeculationPolicy`` as its cost model, in the units of a
+    lone request: ``step_s`` = a 1-token pass, ``c(mode)`` = a 1-row draft step / step_s,
+    ``v(k)`` = a (k+1)-token pass / step_s.
+    """
+
+    frozen = False
+
+    def __init__(self, prior_c: dict[str, float] | None = None, prior_verify_slope: float = 0.03):
+        self.prior_c = {"draft": 0.15, "ngram": 0.01, "early_exit": 0.3, **(prior_c or {})}
+        self._verify = _Line(PRIOR_STEP_S, prior_verify_slope)
+        self._draft: dict[str, _Line] = {}
+        self._lock = threading.Lock()
+
+    def observe_verify(self, tokens: int, seconds: float) -> None:
+        with self._lock:
+            self._verify.observe(tokens, seconds)
+
+    def observe_draft(self, mode: str, rows: int, seconds_per_step: float) -> None:
+        with self._lock:
+            line = self._draft.get(mode)
+            if line is None:
+                line = self._draft[mode] = _Line(self.prior_c.get(mode, 0.2) * self._verify(1), 0.1)
+            line.observe(rows, seconds_per_step)
+
+    def verify_s(self, tokens: int) -> float:
+        return self._verify(tokens)
+
+    def draft_step_s(self, mode: str, rows: int) -> float:
+        line = self._draft.get(mode)
+        if line is None:
+            return self.prior_c.get(mode, 0.2) * self._verify(1) * (1 + 0.1 * rows) / 1.1
+        return line(rows)
+
+    def draft_row_s(self, mode: str) -> float:
+        """What one more row adds to an existing draft step."""
+        line = self._draft.get(mode)
+        return line.b if line is not None else 0.1 * self.draft_step_s(mode, 1) / 1.1
+
+    # --- the per-request policy's view (specdec.policy.CostModel's interface) ---------------
+
+    @property
+    def step_s(self) -> float | None:
+        return self._verify(1) if self._verify.seen else None
+
+    def observe(self, r) -> None:
+        """Rounds are observed per step by the loop, not per request."""
+
+    def c(self, mode: str) -> float:
+        if mode not in self._draft or not self._verify.seen:
+            return self.prior_c.get(mode, 0.2)
+        return self.draft_step_s(mode, 1) / self._verify(1)
+
+    def v(self, k: int) -> float:
+        return 1.0 if k == 0 else max(1.0, self._verify(k + 1) / self._verify(1))
+
+
+@dataclass
+class Candidate:
+    """A decode row before its k is chosen."""
+
+    a: float  # per-token acceptance estimate of its mode
+    k_cap: int  # the most it may draft this step (its policy's k, max_tokens, k_max)
+    mode: str  # the drafter it would use
+    fixed: bool = False  # take k_cap as it is (explicit k, probe, seeded sampling)
+
+
+def allocate(cands: list[Candidate], costs: StepCosts, other_tokens: int = 0) -> list[int]:
+    """Each row's k for this step by the goodput rule (module docstring).
+
+    ``other_tokens``: tokens of this step that are not decode rows (prefill chunks).
+    """
+    k = [c.k_cap if c.fixed else 0 for c in cands]
+    steps: dict[str, int] = {}
+    for c, kc in zip(cands, k):
+        steps[c.mode] = max(steps.get(c.mode, 0), kc)
+    rows_in_step: dict[tuple[str, int], int] = {}
+    for c, kc in zip(cands, k):
+        for j in range(1, kc + 1):
+            rows_in_step[(c.mode, j)] = rows_in_step.get((c.mode, j), 0) + 1
+    expected = sum(_expected(c.a, kc) for c, kc in zip(cands, k))
+    tokens = other_tokens + sum(kc + 1 for kc in k)
+    t = costs.verify_s(tokens) + sum(
+        sum(costs.draft_step_s(m, rows_in_step[(m, j)]) for j in range(1, s + 1)) for m, s in steps.items()
+    )
+    per_token = costs.verify_s(tokens + 1) - costs.verify_s(tokens)
+    open_rows = {i for i, c in enumerate(cands) if not c.fixed and c.k_cap > 0}
+    while open_rows:
+        i = max(open_rows, key=lambda j: cands[j].a ** (k[j] + 1))
+        c = cands[i]
+        j = k[i] + 1
+        gain = c.a ** j
+        if j > steps.get(c.mode, 0):  # a new draft step for this mode
+            dt = per_token + costs.draft_step_s(c.mode, 1)
+        else:
+            dt = per_token + costs.draft_row_s(c.mode)
+        if gain > (expected / t) * dt:
+            k[i] = j
+            expected += gain
+            t += dt
+            steps[c.mode] = max(steps.get(c.mode, 0), j)
+            if k[i] >= c.k_cap:
+                open_rows.discard(i)
+        else:
+            open_rows.discard(i)
+    return k
+
+
+def _expected(a: float, k: int) -> float:
+    return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)

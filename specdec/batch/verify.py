@@ -1,0 +1,131 @@
+"""Verification of a whole step at once, over the flattened ragged layout (vLLM v1's).
+
+Row ``i`` drafted ``k_i`` tokens and the target scored ``k_i + 1`` positions for it; the
+logits of all rows come back-to-back, ``[sum_i (k_i + 1), vocab]``. Greedy rows are matched in
+one argmax; sampled rows get their distributions in one vectorised ``logits -> p`` (per-row
+temperature, top-k, top-p), then exact rejection sampling with each row's own generator, so
+a row's randomness never depends on what it is batched with.
+
+The scalar functions in ``specdec.verify`` are the oracle: for the same logits and seed every
+row's ``Verdict`` here equals ``verify_greedy`` / ``verify_sampled`` on that row alone
+(same random draws in the same order: ``rand(k)``, then one ``multinomial``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from specdec.sampling import SamplingParams, make_generator
+from specdec.verify import Verdict, acceptance_probs, residual_distribution
+
+
+@dataclass(frozen=True)
+class VerifyRow:
+    """One row's drafts and how it samples. ``q``: [k, vocab] or None (point masses)."""
+
+    drafts: list[int]
+    params: SamplingParams
+    seed: int
+    q: torch.Tensor | None = None
+
+
+def batched_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """``specdec.sampling.logits_to_probs`` for many rows at once, row ``j`` with ``params[j]``.
+
+    logits: [N, vocab]; every params must be non-greedy. Returns float32 [N, vocab], equal
+    row for row to the scalar function (same operations, same order: temperature, top-k, top-p).
+    """
+    assert logits.dim() == 2 and logits.shape[0] == len(params), (logits.shape, len(params))
+    vocab = logits.shape[1]
+    logits = logits.float() / torch.tensor([p.temperature for p in params])[:, None]
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else 0 for p in params])
+    if top_k.any():
+        sorted_desc = torch.sort(logits, dim=-1, descending=True).values
+        kth = sorted_desc.gather(-1, (top_k - 1).clamp(min=0)[:, None])
+        kth = torch.where(top_k[:, None] > 0, kth, torch.full_like(kth, -math.inf))
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    top_p = torch.tensor([p.top_p for p in params])
+    if (top_p < 1.0).any():
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(-1)
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        drop_sorted = (mass_before >= top_p[:, None]) & (top_p < 1.0)[:, None]
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, -math.inf)
+    return logits.softmax(-1)
+
+
+def _pad_vocab(probs: torch.Tensor, width: int) -> torch.Tensor:
+    """Zero-pad [..., v] to [..., width]: ids a model cannot emit have probability 0."""
+    extra = width - probs.shape[-1]
+    return torch.nn.functional.pad(probs, (0, extra)) if extra > 0 else probs
+
+
+def verify_batch(rows: list[VerifyRow], logits: torch.Tensor) -> list[Verdict]:
+    """One Verdict per row.
+
+    rows:   B rows, row i with k_i drafts
+    logits: [sum_i (k_i + 1), vocab] the target's logits, row after row
+    """
+    sizes = [len(r.drafts) + 1 for r in rows]
+    assert logits.dim() == 2 and logits.shape[0] == sum(sizes), (logits.shape, sizes)
+    starts = [0]
+    for n in sizes:
+        starts.append(starts[-1] + n)
+    verdicts: list[Verdict | None] = [None] * len(rows)
+
+    greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+    if greedy:
+        argmax = logits.argmax(-1)  # [N]: one pass for every greedy row
+        for i in greedy:
+            verdicts[i] = _match(rows[i].drafts, argmax[starts[i]: starts[i + 1]])
+
+    sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if sampled:
+        index = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in sampled])
+        params = [rows[i].params for i in sampled for _ in range(sizes[i])]
+        p_all = batched_probs(logits[index], params)
+        at = 0
+        for i in sampled:
+            p = p_all[at: at + sizes[i]]
+            at += sizes[i]
+            verdicts[i] = _reject_sample(rows[i], p)
+    return verdicts  # type: ignore[return-value]
+
+
+def _match(drafts: list[int], argmax: torch.Tensor) -> Verdict:
+    """Greedy: the longest prefix of drafts the target agrees with, then its own token."""
+    k = len(drafts)
+    target = argmax.tolist()
+    n = 0
+    while n < k and drafts[n] == target[n]:
+        n += 1
+    return Verdict(tokens=target[: n + 1], num_accepted=n, num_drafted=k)
+
+
+def _reject_sample(row: VerifyRow, p: torch.Tensor) -> Verdict:
+    """Exact rejection sampling for one row (``specdec.verify.verify_sampled``'s draws)."""
+    k = len(row.drafts)
+    q = row.q
+    if q is not None and q.shape[-1] != p.shape[-1]:  # e.g. a padded embedding matrix
+        width = max(q.shape[-1], p.shape[-1])
+        p, q = _pad_vocab(p, width), _pad_vocab(q.to(p.dtype), width)
+    elif q is not None:
+        q = q.to(p.dtype)
+    generator = make_generator(row.seed)
+    drafts = torch.tensor(row.drafts, dtype=torch.long)
+    n = 0
+    if k:
+        ratio = acceptance_probs(drafts, q, p)
+        u = torch.rand(k, generator=generator, dtype=ratio.dtype)
+        rejected = (u >= ratio).nonzero()
+        n = int(rejected[0]) if rejected.numel() else k
+    if n < k:
+        last_row = residual_distribution(p[n], None if q is None else q[n], row.drafts[n])
+    else:
+        last_row = p[k]
+    last = int(torch.multinomial(last_row, 1, generator=generator))
+    return Verdict(tokens=row.drafts[:n] + [last], num_accepted=n, num_drafted=k)
