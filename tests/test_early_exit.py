@@ -265,7 +265,8 @@ def test_engine_mode_early_exit_and_auto(pair):
     engine = Engine.load(ModelConfig(target=str(paths["target"]), dtype="float32", early_exit_layer=EXIT),
                          SpeculationConfig(mode="early_exit", num_speculative_tokens=3))
     assert "early_exit" in engine.drafters and "draft" not in engine.drafters
-    assert engine.drafters["early_exit"].runner is engine.target.runner  # one cache, shared
+    target = engine.loop.target
+    assert target.early_exit.runner is target.runner  # one cache, shared
     ids = engine.encode(prompt=PROMPTS[7])
     plain = engine.generate(ids, max_tokens=30, mode="off")
     spec = engine.generate(ids, max_tokens=30, mode="early_exit", k=3)
@@ -273,8 +274,8 @@ def test_engine_mode_early_exit_and_auto(pair):
     assert spec.speculation.mode == "early_exit" and spec.speculation.accepted_tokens > 0
     auto = engine.generate(ids, max_tokens=30, mode="auto")
     assert auto.token_ids == plain.token_ids
-    switch, _ = engine._policy("auto", None, SamplingParams())
-    assert set(switch.drafters) == {"ngram", "early_exit"}  # auto chooses among both
+    policy = engine.loop._new_policy(engine.request(ids, max_tokens=1, mode="auto"))
+    assert set(policy.switch.drafters) == {"ngram", "early_exit"}  # auto chooses among both
     with pytest.raises(ValueError):
         ModelConfig(target="x", early_exit_layer=0)
 

@@ -300,3 +300,86 @@ def test_incoming_traceparent_becomes_the_parent(server):
     assert r.status_code == 200 and r.headers["traceparent"].split("-")[1] == trace_id
     trace = wait_for_traces(server["traces"], {trace_id})[trace_id]
     assert trace.request.parent_id == parent
+
+
+# --- batching through HTTP ------------------------------------------------------------------
+
+
+BATCH_PROMPTS = ["The cat sees", "My friend builds the old", "Def f1(x): return x +", "A dog likes",
+                 "The river finds a song", "Our teacher paints the moon", "The robot hears", "A bird follows"]
+
+
+@pytest.fixture(scope="module")
+def solo(server):
+    """Each batch prompt's greedy tokens, sent alone through the in-process unit."""
+    out = {}
+    for prompt in BATCH_PROMPTS:
+        r = completion("in_process", prompt=prompt, max_tokens=24, speculation={"mode": "off"})
+        out[prompt] = r.json()["choices"][0]["token_ids"]
+    return out
+
+
+@pytest.mark.parametrize("colocation", MODES)
+def test_eight_concurrent_streams_each_get_their_solo_tokens(server, solo, colocation):
+    """Eight streams at once (modes mixed) share the unit's steps; each is token-identical (fp32)
+    to its solo run, and the unit ran fewer steps than the streams' rounds added up."""
+    router = serve.get_deployment_handle("SpecRouter", app_name=colocation)
+    modes = ["off", "draft", "ngram", "early_exit", "auto", "draft", "ngram", "off"]
+
+    async def one(client, prompt, mode):
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0, "stream": True,
+                "return_token_ids": True, "speculation": {"mode": mode}}
+        tokens, rounds = [], 0
+        async with client.stream("POST", f"{BASE}/{colocation}/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunk = json.loads(line[len("data: "):])
+                    tokens += chunk["choices"][0].get("token_ids", [])
+                    rounds = chunk.get("speculation", {}).get("rounds", rounds)
+        return tokens, rounds
+
+    async def all_of_them():
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*(one(client, p, m) for p, m in zip(BATCH_PROMPTS, modes)))
+
+    steps_before = router.info.remote().result()["usage"]["steps"]
+    results = asyncio.run(all_of_them())
+    steps = router.info.remote().result()["usage"]["steps"] - steps_before
+    for prompt, (tokens, _) in zip(BATCH_PROMPTS, results):
+        assert tokens == solo[prompt], prompt
+    assert steps < sum(rounds for _, rounds in results)  # rows really shared steps
+
+
+def test_a_disconnected_client_frees_its_slot(server):
+    router = serve.get_deployment_handle("SpecRouter", app_name="in_process")
+    body = {"model": MODEL, "prompt": "The cat sees", "max_tokens": 400, "temperature": 0, "stream": True,
+            "speculation": {"mode": "off"}}
+    with httpx.stream("POST", f"{BASE}/in_process/v1/completions", json=body, timeout=60) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i >= 6:
+                assert router.info.remote().result()["usage"]["running"] == 1
+                break  # the client goes away mid-stream
+    deadline = time.time() + 10
+    while (usage := router.info.remote().result()["usage"])["running"]:
+        assert time.time() < deadline, usage
+        time.sleep(0.05)
+    assert usage["free_tokens"] == usage["capacity_tokens"] and usage["waiting"] == 0
+
+
+def test_two_requests_with_one_x_request_id_are_isolated(server, solo):
+    """A client's x-request-id is never a cache key: two concurrent requests sending the same
+    one each get their own solo output."""
+    prompts = BATCH_PROMPTS[:2]
+
+    async def one(client, prompt):
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0, "return_token_ids": True,
+                "speculation": {"mode": "draft", "num_speculative_tokens": 3}}
+        r = await client.post(f"{BASE}/in_process/v1/completions", json=body, headers={"x-request-id": "same-id"})
+        return r.json()["choices"][0]["token_ids"]
+
+    async def both():
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    for prompt, tokens in zip(prompts, asyncio.run(both())):
+        assert tokens == solo[prompt]

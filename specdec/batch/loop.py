@@ -118,6 +118,7 @@ class _Plan:
     live: _Live
     mode: str  # "prefill", "off" or the drafter's name
     k: int
+    draft_error: str | None = None  # its drafter failed this step: it ran as a plain row
 
 
 class StepLoop:
@@ -180,7 +181,7 @@ class StepLoop:
 
     def usage(self) -> dict:
         """What the unit holds now (for tests and operators)."""
-        return {"running": len(self._running), "waiting": len(self._waiting),
+        return {"running": len(self._running), "waiting": len(self._waiting), "steps": self.steps,
                 "free_tokens": self.allocator.free_tokens, "capacity_tokens": self.allocator.capacity}
 
     def close(self) -> None:
@@ -259,7 +260,7 @@ class StepLoop:
             result = self.target.run(rows, chunks, None, [])
             for p in plans:
                 if p.mode == "draft":
-                    p.mode, p.k = "off", 0
+                    p.mode, p.k, p.draft_error = "off", 0, f"{type(exc).__name__}: {exc}"
         draft_s = result.draft_s.get("draft", draft_s)
         draft_steps = result.draft_steps.get("draft", max((p.k for p in plans if p.mode == "draft"), default=0))
         self._observe_costs(plans, result, draft_s, draft_steps)
@@ -395,7 +396,7 @@ class StepLoop:
         stats = RoundStats(
             index=index, mode="prefill" if index == 0 else plan.mode, k=plan.k, drafted=verdict.num_drafted,
             accepted=verdict.num_accepted, emitted=len(tokens), draft_s=draft_s if drafted else 0.0,
-            verify_s=verify_s, started_at=started_at,
+            verify_s=verify_s, started_at=started_at, draft_error=plan.draft_error,
         )
         live.rounds.append(stats)
         if index == 0:
