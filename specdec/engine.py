@@ -11,6 +11,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import torch
+
 from specdec import telemetry
 from specdec.batch.drafters import EarlyExitBatchDrafter, LocalDraft, ModelBatchDrafter
 from specdec.batch.loop import Event, GenerationRequest, StepLoop
@@ -95,6 +97,22 @@ class Engine:
     @property
     def eos_token_ids(self) -> frozenset[int]:
         return self.loop.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids: frozenset[int]) -> None:
+        self.loop.eos_token_ids = frozenset(ids)
+
+    @property
+    def target_model(self) -> torch.nn.Module | None:
+        """The target model when it is in this process (None over worker actors)."""
+        runner = getattr(self.loop.target, "runner", None)
+        return runner.model if runner is not None else None
+
+    @property
+    def draft_model(self) -> torch.nn.Module | None:
+        """The draft model when it is in this process."""
+        drafter = getattr(self.loop.draft, "drafter", None)
+        return drafter.runner.model if drafter is not None else None
 
     @property
     def costs(self):

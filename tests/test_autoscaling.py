@@ -196,7 +196,7 @@ def test_stats_recorder_reports_rates_between_calls():
 def test_router_reports_its_load():
     """SpecRouter.record_autoscaling_stats without Ray: the load its engine sees."""
     router = object.__new__(SpecRouter.func_or_class)
-    router.engine = SimpleNamespace(_active=3)
+    router.engine = SimpleNamespace(active=3)
     router.totals, router._autoscaling_stats = UnitTotals(), StatsRecorder()
     stats = router.record_autoscaling_stats()
     assert stats["ongoing"] == 3.0 and all(isinstance(v, float) for v in stats.values())

@@ -24,7 +24,7 @@ NEAR_TIE = 0.25  # logits: two bf16 ulps at the magnitudes (16-32) an LM head pr
 def top2_gap(engine: Engine, ids: list[int]) -> float:
     """The gap between the target's two best logits for the token after ``ids``."""
     # A one-sequence runner on the engine's own target model: the same weights, its own cache.
-    logits = ModelRunner(engine.loop.target.runner.model).forward("divergence-probe", ids, 1)[0]
+    logits = ModelRunner(engine.target_model).forward("divergence-probe", ids, 1)[0]
     top = torch.topk(logits, 2).values
     return float(top[0] - top[1])
 

@@ -98,9 +98,8 @@ class Bench:
         ))
         self.engine.eos_token_ids = frozenset()  # every run makes exactly max_tokens tokens
         self.tokenizer = self.engine.tokenizer
-        self.target_model = self.engine.target.runner.model
-        drafter = self.engine.drafters.get("draft")
-        self.draft_model = drafter.runner.model if drafter is not None else None
+        self.target_model = self.engine.target_model
+        self.draft_model = self.engine.draft_model
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
         self.client = None
