@@ -13,7 +13,7 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deployments.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from deployments.protocol import ChatCompletionRequest, CompletionRequest, UnitRequest, error_body
 from specdec import telemetry
 
 app = FastAPI(title="specdec", description="Exact speculative decoding, OpenAI-style API")
@@ -165,21 +165,25 @@ class Ingress:
         # x-request-id response header by Serve itself; our object ids carry it too.
         serve_id = serve.context._get_serve_request_context().request_id or uuid.uuid4().hex
         request_id = ("chatcmpl-" if chat else "cmpl-") + serve_id
-        req = {
-            **inputs,
-            "request_id": request_id,
-            "max_tokens": body.limit,
-            "temperature": body.temperature,
-            "top_p": body.top_p,
-            "top_k": body.top_k,
-            "seed": body.seed,
-            "stop": body.stop,
-            "speculation": body.speculation.model_dump() if body.speculation else None,
+        spec = body.speculation
+        req = UnitRequest(
+            request_id=request_id,
+            prompt=inputs.get("prompt"),
+            messages=inputs.get("messages"),
+            max_tokens=body.limit,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=max(0, body.top_k),
+            seed=body.seed,
+            stop=list(body.stop or []),
+            ignore_eos=body.ignore_eos,
+            mode=spec.mode if spec else None,
+            k=spec.num_speculative_tokens if spec else None,
             # The trace context crosses the Ray hop explicitly: Serve's own span when Serve
             # tracing is on (it already has the caller's traceparent as its parent), else the
             # caller's traceparent header.
-            "trace_context": telemetry.inject() or telemetry.carrier_from_headers(http.headers),
-        }
+            trace_context=telemetry.inject() or telemetry.carrier_from_headers(http.headers),
+        )
         events = self.router.generate.remote(req)
         try:
             first = await events.__anext__()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_validator
@@ -32,6 +33,7 @@ class _Common(BaseModel):
     n: int = Field(1, ge=1, le=1, description="One choice per request.")
     speculation: SpeculationOptions | None = None
     return_token_ids: StrictBool = False
+    ignore_eos: StrictBool = Field(False, description="Generate max_tokens tokens whatever EOS says (vLLM's).")
 
     @field_validator("temperature", "top_p")
     @classmethod
@@ -85,6 +87,30 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
+
+
+@dataclass(frozen=True)
+class UnitRequest:
+    """What the ingress hands the unit across the Ray hop: validated and defaulted once, at the
+    HTTP edge (the models above hold OpenAI's defaults); the unit reads it as it is."""
+
+    request_id: str
+    prompt: str | None
+    messages: list[dict] | None
+    max_tokens: int | None  # None: 16 for a completion, the rest of the context for chat (OpenAI)
+    temperature: float
+    top_p: float
+    top_k: int  # 0 (or -1): no top-k filter
+    seed: int | None
+    stop: list[str]
+    ignore_eos: bool
+    mode: str | None  # speculation.mode; None: the unit's default
+    k: int | None  # speculation.num_speculative_tokens
+    trace_context: dict = field(default_factory=dict)
+
+    @property
+    def chat(self) -> bool:
+        return self.messages is not None
 
 
 def error_body(message: str, *, type_: str, param: str | None = None, code: str | None = None) -> dict:

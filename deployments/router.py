@@ -14,7 +14,6 @@ import asyncio
 import logging
 import threading
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import ray
@@ -26,10 +25,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from deployments.autoscaling import StatsRecorder, UnitTotals
 from deployments.config import UnitArgs
 from deployments.metrics import UnitMetrics
+from deployments.protocol import UnitRequest
 from deployments.workers import DraftWorker, RemoteDraft, RemoteTarget, TargetWorker
 from specdec import telemetry
 from specdec.drafters.model import check_same_vocabulary
-from specdec.batch.loop import StepLoop
 from specdec.engine import Engine, available_modes
 from specdec.policy import PolicyConfig
 from specdec.runner import load_tokenizer
@@ -82,13 +81,12 @@ def build_engine(args: UnitArgs) -> tuple[Engine, dict]:
         ray.get(draft_actor.ready.remote())
         draft = RemoteDraft(draft_actor)
         actors["draft"] = draft_actor
-    loop = StepLoop(
-        RemoteTarget(target_actor, info["max_length"], args.worker_timeout_s), draft, available_modes(models),
-        tokenizer=tokenizer, eos_token_ids=info["eos_token_ids"], capacity_tokens=info["capacity_tokens"],
-        ngram=(spec.ngram_min, spec.ngram_max), default_k=spec.num_speculative_tokens,
-        max_length=info["max_length"], **sizes,
+    engine = Engine.from_parts(
+        tokenizer, RemoteTarget(target_actor, info["max_length"], args.worker_timeout_s), draft,
+        available_modes(models), eos_token_ids=info["eos_token_ids"], capacity_tokens=info["capacity_tokens"],
+        max_length=info["max_length"], speculation=spec, **sizes,
     )
-    return Engine(tokenizer, loop, speculation=spec), actors
+    return engine, actors
 
 
 class RequestError(ValueError):
@@ -130,48 +128,46 @@ class SpecRouter:
             "policy": self.engine.policy.model_dump(),
         }
 
-    def _prepare(self, req: dict) -> tuple[list[int], dict]:
+    def _prepare(self, req: UnitRequest) -> tuple[list[int], dict]:
         engine = self.engine
-        spec = req.get("speculation") or {}
         try:
-            mode = engine.resolve_mode(spec.get("mode"))
+            mode = engine.resolve_mode(req.mode)
         except ValueError as exc:
             raise RequestError(str(exc), "speculation.mode") from exc
         try:
-            ids = engine.encode(prompt=req.get("prompt"), messages=req.get("messages"))
+            ids = engine.encode(prompt=req.prompt, messages=req.messages)
         except Exception as exc:  # a chat template may reject a conversation
             raise RequestError(f"could not encode the prompt: {exc}", "messages") from exc
         limit = engine.max_length
-        max_tokens = req.get("max_tokens")
+        max_tokens = req.max_tokens
         if max_tokens is None:  # as OpenAI: 16 for a completion, the rest of the context for chat
-            chat = req.get("messages") is not None
-            max_tokens = max(1, (limit or len(ids) + 16) - len(ids)) if chat else 16
+            max_tokens = max(1, (limit or len(ids) + 16) - len(ids)) if req.chat else 16
         if limit is not None and len(ids) + max_tokens > limit:
             raise RequestError(
                 f"this model's context length is {limit} tokens; the prompt has {len(ids)} and "
                 f"max_tokens is {max_tokens}",
                 "max_tokens",
             )
+        try:
+            params = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed)
+        except ValueError as exc:
+            raise RequestError(str(exc), "temperature") from exc
         kwargs = dict(
             max_tokens=max_tokens,
-            params=SamplingParams(
-                temperature=req.get("temperature", 1.0),
-                top_k=max(0, req.get("top_k", 0)),
-                top_p=req.get("top_p", 1.0),
-                seed=req.get("seed"),
-            ),
-            stop=req.get("stop") or [],
+            params=params,
+            stop=req.stop,
             mode=mode,
-            k=spec.get("num_speculative_tokens"),  # the policy caps it at the operator's k_max
+            k=req.k,  # the policy caps it at the operator's k_max
+            ignore_eos=req.ignore_eos,
         )
         try:
             engine.request(ids, **kwargs)  # validated once here: a refusal is the client's 400
         except ValueError as exc:
             raise RequestError(str(exc), "max_tokens") from exc
-        kwargs["request_id"] = req.get("request_id") or uuid.uuid4().hex  # for traces; never a cache key
+        kwargs["request_id"] = req.request_id  # for traces; never a cache key
         return ids, kwargs
 
-    def _run(self, req: dict, emit, cancelled: threading.Event) -> None:
+    def _run(self, req: UnitRequest, emit, cancelled: threading.Event) -> None:
         """The loop, in a worker thread: emits a 'start' event, the rounds, then 'end'."""
         try:
             ids, kwargs = self._prepare(req)
@@ -181,7 +177,7 @@ class SpecRouter:
         mode = kwargs["mode"]
         params = kwargs["params"]
         attrs = telemetry.request_attributes(
-            operation="chat" if req.get("messages") is not None else "text_completion",
+            operation="chat" if req.chat else "text_completion",
             model=self.model_name,
             request_id=kwargs["request_id"],
             max_tokens=kwargs["max_tokens"],
@@ -191,7 +187,7 @@ class SpecRouter:
             seed=params.seed,
             mode=mode,
         )
-        with telemetry.request_span(carrier=req.get("trace_context"), attributes=attrs) as trace:
+        with telemetry.request_span(carrier=req.trace_context, attributes=attrs) as trace:
             emit(
                 {
                     "type": "start",
@@ -239,7 +235,7 @@ class SpecRouter:
                 }
             )
 
-    async def generate(self, req: dict):
+    async def generate(self, req: UnitRequest):
         """Stream the request's events (dicts) to the ingress."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()

@@ -76,13 +76,24 @@ class Engine:
     @classmethod
     def load(cls, models: ModelConfig, speculation: SpeculationConfig | None = None, *,
              kv_cache_tokens: int | None = None, max_num_seqs: int = 16, step_tokens: int = 512) -> "Engine":
+        """Both models in this process."""
         speculation = speculation or SpeculationConfig()
         tokenizer = load_tokenizer(models.target)
         target, draft, modes, eos = local_parts(models, speculation, tokenizer, kv_cache_tokens)
-        loop = StepLoop(target, draft, modes, tokenizer=tokenizer, eos_token_ids=eos,
-                        capacity_tokens=target.runner.capacity, max_num_seqs=max_num_seqs,
-                        step_tokens=step_tokens, ngram=(speculation.ngram_min, speculation.ngram_max),
-                        default_k=speculation.num_speculative_tokens, max_length=target.max_length)
+        return cls.from_parts(tokenizer, target, draft, modes, eos_token_ids=eos,
+                              capacity_tokens=target.runner.capacity, max_length=target.max_length,
+                              speculation=speculation, max_num_seqs=max_num_seqs, step_tokens=step_tokens)
+
+    @classmethod
+    def from_parts(cls, tokenizer, target, draft, modes: list[str], *, eos_token_ids: frozenset[int],
+                   capacity_tokens: int, max_length: int | None, speculation: SpeculationConfig,
+                   max_num_seqs: int = 16, step_tokens: int = 512) -> "Engine":
+        """The one builder: a step loop over a target side and a draft side, local (a
+        ``TargetStep``, a ``LocalDraft``) or worker actors behind the same two methods."""
+        loop = StepLoop(target, draft, modes, tokenizer=tokenizer, eos_token_ids=eos_token_ids,
+                        capacity_tokens=capacity_tokens, max_num_seqs=max_num_seqs, step_tokens=step_tokens,
+                        ngram=(speculation.ngram_min, speculation.ngram_max),
+                        default_k=speculation.num_speculative_tokens, max_length=max_length)
         return cls(tokenizer, loop, speculation=speculation)
 
     @property

@@ -280,3 +280,32 @@ def test_sampled_output_has_the_target_distribution_under_batching(llama_pair, m
     monkeypatch.setattr(batch_verify, "acceptance_probs", lambda x, q, p: torch.ones(len(x)))
     exact, counts, _ = _batched_cells(engine, ids, n)
     assert counts["impossible"] > 0 or _pvalue(exact, counts, n) < 1e-3
+
+
+def test_the_sweep_reports_every_level_and_mode(llama_pair):
+    from specdec.bench.sweep import in_process_sender, sweep, table
+
+    engine = Engine.load(ModelConfig(target=str(llama_pair["target"]), draft=str(llama_pair["draft"]),
+                                     dtype="float32"), kv_cache_tokens=4096)
+    rows = sweep(lambda m: in_process_sender(engine, m, 8, chat=False), ["off", "auto"], [1, 4], 1, PROMPTS[:4])
+    assert [(r["mode"], r["concurrency"], r["requests"], r["tokens"]) for r in rows] == [
+        ("off", 1, 1, 8), ("auto", 1, 1, 8), ("off", 4, 4, 32), ("auto", 4, 4, 32)]
+    assert all(r["tokens_per_s"] > 0 and r["tpot_ms_p95"] >= r["tpot_ms_p50"] > 0 for r in rows)
+    assert "| auto | 4 |" in table(rows, "in process")
+
+
+def test_the_gpu_cost_script_runs_on_tiny_shapes(tmp_path):
+    """The device script (scripts/gpu_costs.py) end to end on CPU with tiny shapes."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "costs.json"
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, str(root / "scripts" / "gpu_costs.py"), "--shapes", "tiny", "--device", "cpu",
+                    "--dtype", "float32", "--rows", "1,4", "--q", "1,3", "--reps", "1", "--context", "16",
+                    "--out", str(out)], check=True, cwd=root, capture_output=True, timeout=300)
+    report = json.loads(out.read_text())
+    assert len(report["target"]["points"]) == 4 and len(report["draft"]["points"]) == 2
+    assert report["priors"]["step_s"] > 0 and report["priors"]["c_draft"] > 0

@@ -16,6 +16,7 @@ from specdec.bench.configs import BenchConfig, build_configs
 from specdec.bench.ideal import (
     expected_tokens_per_round,
     ideal_speedup,
+    ideal_speedup_measured,
     ideal_speedup_rounds,
     interpolate_verify_cost,
     per_position_acceptance,
@@ -363,3 +364,14 @@ def test_quick_tiny_run_with_a_server(tiny_home, fake_url, capsys):
     assert sent == {'{"mode": "off"}', '{"mode": "draft", "num_speculative_tokens": 4}',
                     '{"mode": "ngram", "num_speculative_tokens": 4}',
                     '{"mode": "early_exit", "num_speculative_tokens": 4}', '{"mode": "auto"}'}
+
+
+def test_ideal_from_measured_tokens_credits_runs_of_acceptance():
+    """Prompt lookup accepts whole runs or nothing: the i.i.d. formula at the same mean
+    acceptance underestimates what those rounds allow; the measured one counts the tokens."""
+    rounds = [(5, 4, 0.0), (1, 4, 0.0)] * 5  # all 4 accepted, or none: a = 0.5
+    v = {4: 1.1}
+    measured = ideal_speedup_measured(rounds, v)
+    assert measured == pytest.approx(30 / 11)
+    assert ideal_speedup_rounds([(0.5, 4, 0.0)] * 10, v) < measured
+    assert ideal_speedup_measured([(1, 0, 0.0)] * 3, v) == 1.0

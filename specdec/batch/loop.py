@@ -32,7 +32,6 @@ from specdec.batch.runner import BatchRow
 from specdec.batch.schedule import Candidate, StepCosts, allocate
 from specdec.batch.target import StepResult, TargetRow
 from specdec.decoding import DRAFT, DRAFT_RETRY_ROUNDS, TARGET, DraftUnavailable, RoundStats, round_seed
-from specdec.drafters.base import EMPTY_PROPOSAL
 from specdec.policy import CostModel, ModeSwitch, PolicyConfig, SpeculationPolicy
 from specdec.sampling import SamplingParams, make_generator
 from specdec.text import TextStream

@@ -13,7 +13,8 @@ Definitions (per configuration and workload):
   target step; transformers' prompt lookup cannot be timed apart and counts as free (0).
   ``c_in_loop`` is what drafting cost inside our loop, per drafted token.
 - ``v_k``: v(k) at the configured k; ``ideal_speedup`` from the rounds' actual draft lengths
-  (``ideal.ideal_speedup_rounds``); ``efficiency`` = speedup / ideal_speedup.
+  and the tokens they really produced (``ideal.ideal_speedup_measured``); ``efficiency`` =
+  speedup / ideal_speedup.
 - ``ttft_s`` / ``tpot_s``: p50 and p95 over runs; ``peak_rss_mb``: the largest RSS seen
   right after a run of the configuration (the models are shared, so rows differ little).
 - HTTP rows take acceptance from the server's ``speculation`` objects and assume the server
@@ -33,7 +34,7 @@ from specdec.bench.configs import BenchConfig
 from specdec.bench.costs import Costs
 from specdec.bench.ideal import (
     ideal_speedup,
-    ideal_speedup_rounds,
+    ideal_speedup_measured,
     interpolate_verify_cost,
     per_position_acceptance,
     percentile,
@@ -155,9 +156,9 @@ def summarize(
                 row["ideal_speedup"] = None
             else:
                 per_round = (
-                    (a_c[rd.mode][0], rd.drafted, a_c[rd.mode][1]) if rd.drafted else (0.0, 0, 0.0) for rd in rounds
+                    (rd.accepted + 1, rd.drafted, a_c[rd.mode][1]) if rd.drafted else (1, 0, 0.0) for rd in rounds
                 )
-                row["ideal_speedup"] = ideal_speedup_rounds(per_round, v)
+                row["ideal_speedup"] = ideal_speedup_measured(per_round, v)
         elif cfg.k is not None and row["acceptance_rate"] is not None and row["c"] is not None:
             row["ideal_speedup"] = ideal_speedup(row["acceptance_rate"], cfg.k, row["c"], v(cfg.k))
         else:

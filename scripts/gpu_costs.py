@@ -1,0 +1,137 @@
+"""Cost curves of one batched step, for the step loop's cost model on a real device.
+
+Builds random-weight Llama-family models of real shapes (nothing is downloaded), puts each on
+the batched runner's token pool, and times one flat step against the tokens in the batch:
+``B`` rows of ``k + 1`` tokens each at a fixed context. Prints a table, the linear fit
+``T = a + b * tokens`` the step loop uses (``specdec.batch.schedule.StepCosts``), and the draft
+step against rows. Then, with ``--tests``, runs the library's batched-engine tests.
+
+    python scripts/gpu_costs.py                      # 7B-class target, 0.5B-class draft, CUDA
+    python scripts/gpu_costs.py --shapes tiny --device cpu   # a smoke run anywhere
+
+Sized to fit well inside 10 minutes on one GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specdec.batch.runner import BatchRow, BatchRunner
+
+SHAPES = {
+    # Qwen2.5-7B-class target and 0.5B-class draft (what cluster/serve_config.gpu.yaml serves)
+    "real": {
+        "target": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, vocab_size=152064),
+        "draft": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                      num_key_value_heads=2, vocab_size=152064),
+    },
+    "tiny": {
+        "target": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=320),
+        "draft": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=320),
+    },
+}
+
+
+def build(shape: dict, dtype: torch.dtype, device: str) -> LlamaForCausalLM:
+    cfg = LlamaConfig(max_position_embeddings=4096, **shape)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg).to(dtype)
+    return model.eval()
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def time_steps(model, device: str, rows: int, q: int, context: int, reps: int) -> float:
+    """Median seconds of one step: ``rows`` sequences at ``context`` tokens, each feeding ``q``."""
+    capacity = rows * (context + q + 1)
+    runner = BatchRunner(model, capacity_tokens=capacity)
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, vocab, (context + q,), generator=gen).tolist() for _ in range(rows)]
+    span = context + q + 1
+    prefill = [BatchRow(f"r{i}", seqs[i][:context], 1, 1 + i * span, span) for i in range(rows)]
+    runner.forward(prefill)
+    step = [BatchRow(f"r{i}", seqs[i], q, 1 + i * span, span) for i in range(rows)]
+    times = []
+    for _ in range(reps + 2):
+        _sync(device)
+        t0 = time.perf_counter()
+        runner.forward(step)  # reconciles back to `context` each time, then feeds q tokens
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[2:])
+
+
+def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    var = sum((x - mx) ** 2 for x, _ in points)
+    b = sum((x - mx) * (y - my) for x, y in points) / var if var else 0.0
+    return my - b * mx, b
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", choices=sorted(SHAPES), default="real")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--rows", default="1,2,4,8,16,32")
+    p.add_argument("--q", default="1,2,4,6,8", help="tokens per row (k + 1)")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--tests", action="store_true", help="then run the batched-engine tests")
+    p.add_argument("--out", help="write the measurements as JSON")
+    args = p.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
+    rows_grid = [int(x) for x in args.rows.split(",")]
+    q_grid = [int(x) for x in args.q.split(",")]
+    report: dict = {"device": args.device, "dtype": args.dtype, "context": args.context, "shapes": args.shapes}
+    if args.device.startswith("cuda"):
+        report["gpu"] = torch.cuda.get_device_name()
+    for role in ("target", "draft"):
+        model = build(SHAPES[args.shapes][role], dtype, args.device)
+        grid = q_grid if role == "target" else [1]  # a draft step feeds one token per row
+        points = []
+        print(f"\n{role}: rows x tokens-per-row -> ms per step")
+        for rows in rows_grid:
+            line = []
+            for q in grid:
+                s = time_steps(model, args.device, rows, q, args.context, args.reps)
+                points.append((rows * q, s))
+                line.append(f"{rows}x{q}: {1e3 * s:7.2f}")
+            print("  " + "  ".join(line), flush=True)
+        a, b = fit(points)
+        print(f"  fit: T = {1e3 * a:.2f} ms + {1e3 * b:.3f} ms per token")
+        report[role] = {"points": points, "a_s": a, "b_s": b}
+        del model
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    t1 = report["target"]["a_s"] + report["target"]["b_s"]
+    d1 = report["draft"]["a_s"] + report["draft"]["b_s"]
+    report["priors"] = {"step_s": t1, "verify_slope": report["target"]["b_s"] / t1, "c_draft": d1 / t1}
+    print("\npriors for the cost model:", json.dumps(report["priors"]))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+    if args.tests:
+        return subprocess.call([sys.executable, "-m", "pytest", "-q", "tests/test_batch.py"])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
