@@ -13,9 +13,12 @@ from dataclasses import dataclass
 import torch
 
 
+MIN_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request samples. ``temperature == 0`` means greedy (argmax)."""
+    """How one request samples. ``temperature == 0`` (or below ``MIN_TEMPERATURE``) means greedy."""
 
     temperature: float = 0.0
     top_k: int = 0  # 0 = no top-k filter
@@ -32,7 +35,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # Below MIN_TEMPERATURE, logits / T overflows float32: such a request is greedy (as vLLM).
+        return self.temperature < MIN_TEMPERATURE
 
 
 def make_generator(seed: int | None) -> torch.Generator:

@@ -309,3 +309,40 @@ def test_the_gpu_cost_script_runs_on_tiny_shapes(tmp_path):
     report = json.loads(out.read_text())
     assert len(report["target"]["points"]) == 4 and len(report["draft"]["points"]) == 2
     assert report["priors"]["step_s"] > 0 and report["priors"]["c_draft"] > 0
+
+
+def test_one_failing_request_does_not_fail_the_batch_it_shares(llama_pair, monkeypatch):
+    engine = Engine.load(ModelConfig(target=str(llama_pair["target"]), dtype="float32"), kv_cache_tokens=2048)
+    ids = [engine.encode(prompt=p) for p in PROMPTS[:3]]
+    solo = [_solo(engine, i, 16) for i in ids]
+    real = batch_verify._reject_sample
+
+    def poisoned(row, p):
+        if row.params.seed == 666:
+            raise RuntimeError("poisoned row")
+        return real(row, p)
+
+    monkeypatch.setattr(batch_verify, "_reject_sample", poisoned)
+    results, errors = {}, []
+
+    def run(i):
+        results[i] = engine.generate(ids[i], max_tokens=16, mode="off", ignore_eos=True).token_ids
+
+    def bad():
+        try:
+            engine.generate(ids[0], max_tokens=16, params=SamplingParams(1.0, seed=666), ignore_eos=True)
+        except RuntimeError as exc:
+            errors.append(str(exc))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)] + [threading.Thread(target=bad)]
+    [t.start() for t in threads]
+    [t.join(timeout=120) for t in threads]
+    assert errors and "internal error" in errors[0]
+    assert [results[i] for i in range(3)] == solo
+    assert engine.loop.usage()["running"] == 0
+
+
+def test_a_vanishing_temperature_is_greedy(engine):
+    ids = engine.encode(prompt=PROMPTS[0])
+    tiny = engine.generate(ids, max_tokens=12, params=SamplingParams(temperature=1e-300), ignore_eos=True)
+    assert tiny.token_ids == _solo(engine, ids, 12)

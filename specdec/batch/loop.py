@@ -204,10 +204,9 @@ class StepLoop:
                     return
             try:
                 self.step()
-            except Exception as exc:  # never leave a request hanging on a failed step
-                log.exception("step failed")
-                for live in list(self._running):
-                    self._finish(live, error=f"internal error: {type(exc).__name__}: {exc}")
+            except Exception:  # one request's failure must not fail the batch it shares
+                log.exception("step failed; running each request alone to find the culprit")
+                self._isolate()
 
     def _need(self, req: GenerationRequest) -> int:
         k_max = self.policy_config().k_max if req.mode != "off" else 0
@@ -236,10 +235,21 @@ class StepLoop:
         self._admit()
         for live in [lv for lv in self._running if lv.handle.cancelled.is_set()]:
             self._finish(live, cancelled=True)
-        if not self._running:
-            return
+        if self._running:
+            self._step(list(self._running))
+
+    def _isolate(self) -> None:
+        """After a failed step: one step per request alone; those that fail alone get the error."""
+        for live in list(self._running):
+            try:
+                self._step([live])
+            except Exception as exc:
+                log.exception("request %s failed", live.key)
+                self._finish(live, error=f"internal error: {type(exc).__name__}")
+
+    def _step(self, lives: list[_Live]) -> None:
         self.steps += 1
-        plans, chunks = self._plan()
+        plans, chunks = self._plan(lives)
         started_at = time.time()
         rows, draft_rows = self._target_rows(plans)
         draft_s, draft_steps = 0.0, 0
@@ -285,10 +295,10 @@ class StepLoop:
                 live.start, live.capacity = start, need
                 self._running.append(live)
 
-    def _plan(self) -> tuple[list[_Plan], list[BatchRow]]:
+    def _plan(self, lives: list[_Live]) -> tuple[list[_Plan], list[BatchRow]]:
         """Decode rows (each with its k) and prefill chunks for this step."""
-        decode = [lv for lv in self._running if lv.prefilled >= len(lv.req.prompt_ids) or lv.rounds]
-        prefilling = [lv for lv in self._running if lv not in decode]
+        decode = [lv for lv in lives if lv.prefilled >= len(lv.req.prompt_ids) or lv.rounds]
+        prefilling = [lv for lv in lives if lv not in decode]
         budget = max(1, self.step_tokens - len(decode))
         plans, chunks = [], []
         for live in prefilling:  # oldest first; a prompt that fits finishes its prefill as a row
