@@ -89,6 +89,12 @@ def cmd_demo_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from specdec.bench.sweep import run_from_args
+
+    return run_from_args(args)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from specdec.bench import run_from_args
 
@@ -150,6 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmark speculation against plain decoding and transformers")
     add_bench_arguments(bench)
     bench.set_defaults(func=cmd_bench)
+
+    from specdec.bench.sweep import add_arguments as add_sweep_arguments
+
+    sweep = sub.add_parser("sweep", help="off vs auto at 1-16 concurrent streams: tokens/s, TPOT, TTFT")
+    add_sweep_arguments(sweep)
+    sweep.set_defaults(func=cmd_sweep)
 
     from specdec.traces import add_arguments as add_traces_arguments
 

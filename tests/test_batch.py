@@ -346,3 +346,19 @@ def test_a_vanishing_temperature_is_greedy(engine):
     ids = engine.encode(prompt=PROMPTS[0])
     tiny = engine.generate(ids, max_tokens=12, params=SamplingParams(temperature=1e-300), ignore_eos=True)
     assert tiny.token_ids == _solo(engine, ids, 12)
+
+
+def test_specdec_sweep_prints_the_table_and_plots(llama_pair, tmp_path, capsys):
+    from specdec.cli import main
+
+    out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    assert main(["sweep", "--target", str(llama_pair["target"]), "--draft", str(llama_pair["draft"]),
+                 "--dtype", "float32", "--concurrency", "1,2", "--requests", "1", "--max-tokens", "6",
+                 "--out", str(out), "--plot", str(png)]) == 0
+    printed = capsys.readouterr().out
+    assert "| off | 2 |" in printed and "| auto | 2 |" in printed
+    assert png.stat().st_size > 1000
+    import json
+
+    rows = json.loads(out.read_text())["sections"]["in process"]
+    assert {(r["mode"], r["concurrency"]) for r in rows} == {("off", 1), ("auto", 1), ("off", 2), ("auto", 2)}

@@ -6,8 +6,12 @@ HTTP (``--url``, a running server). For each mode (``off``, ``auto`` by default)
 level it prints aggregate output tokens/s, p50 / p95 time per output token (after the first)
 and p50 / p95 time to first token, side by side, and optionally plots them.
 
-    python -m specdec.bench.sweep --concurrency 1,2,4,8,16 --max-tokens 64 --plot sweep.png
-    python -m specdec.bench.sweep --url http://127.0.0.1:8000 --model SmolLM2-135M-Instruct
+    specdec sweep --concurrency 1,2,4,8,16 --max-tokens 64 --plot sweep.png
+    specdec sweep --http --plot sweep.png     # then the same through HTTP, on a local Serve it starts
+    specdec sweep --url http://127.0.0.1:8000 --model SmolLM2-135M-Instruct   # a running server only
+
+With ``--http`` one run measures both, side by side: the in-process engine first, then a
+local Ray Serve application of the same models (``in_process`` colocation) on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -124,72 +128,132 @@ def table(rows: list[dict], where: str) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: str) -> None:
+def plot(sections: dict[str, list[dict]], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for mode in sorted({r["mode"] for r in rows}):
-        mine = [r for r in rows if r["mode"] == mode]
-        axes[0].plot([r["concurrency"] for r in mine], [r["tokens_per_s"] for r in mine], marker="o", label=mode)
-        axes[1].plot([r["concurrency"] for r in mine], [r["tpot_ms_p50"] for r in mine], marker="o", label=mode)
-    axes[0].set(xlabel="concurrent streams", ylabel="aggregate output tokens/s", xscale="log", xticks=[1, 2, 4, 8, 16])
-    axes[1].set(xlabel="concurrent streams", ylabel="TPOT p50 (ms)", xscale="log", xticks=[1, 2, 4, 8, 16])
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for where, rows in sections.items():
+        for mode in sorted({r["mode"] for r in rows}):
+            mine = [r for r in rows if r["mode"] == mode]
+            style = "-" if where == "in process" else "--"
+            label = f"{mode} ({where})"
+            xs = [r["concurrency"] for r in mine]
+            axes[0].plot(xs, [r["tokens_per_s"] for r in mine], style, marker="o", label=label)
+            axes[1].plot(xs, [r["tpot_ms_p50"] for r in mine], style, marker="o", label=label)
+    axes[0].set(xlabel="concurrent streams", ylabel="aggregate output tokens/s", xscale="log")
+    axes[1].set(xlabel="concurrent streams", ylabel="time per output token, p50 (ms)", xscale="log")
     for ax in axes:
-        ax.legend()
-        ax.set_xticklabels([str(x) for x in [1, 2, 4, 8, 16]])
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--url", help="a running server; without it, the demo pair in process")
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", help="only this running server (no in-process sweep)")
+    p.add_argument("--http", action="store_true", help="also sweep through HTTP on a local Serve")
+    p.add_argument("--port", type=int, default=8191, help="the local Serve's port (with --http)")
     p.add_argument("--model", default="SmolLM2-135M-Instruct", help="served model name (with --url)")
-    p.add_argument("--target"), p.add_argument("--draft")
+    p.add_argument("--target", help="target model (default: the demo pair)")
+    p.add_argument("--draft", help="draft model (default: the demo pair)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--modes", default="off,auto")
     p.add_argument("--concurrency", default="1,2,4,8,16")
     p.add_argument("--requests", type=int, default=2, help="requests per stream")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--workload", choices=sorted(WORKLOAD_PROMPTS), default="code")
-    p.add_argument("--threads", type=int, help="torch threads (in process)")
+    p.add_argument("--threads", type=int, help="torch threads (default: what torch picks)")
     p.add_argument("--out", help="write the rows as JSON")
     p.add_argument("--plot", help="write a PNG of tokens/s and TPOT against concurrency")
-    args = p.parse_args(argv)
+
+
+def _models(args) -> dict:
+    from specdec.demo import demo_exit_adapter, demo_paths
+
+    if args.target:
+        return {"target": args.target, "draft": args.draft, "dtype": args.dtype}
+    paths = demo_paths()
+    exit_adapter = demo_exit_adapter()
+    return {"target": str(paths["target"]), "draft": str(paths["draft"]), "dtype": args.dtype,
+            "draft_dtype": "bfloat16", "early_exit_adapter": str(exit_adapter) if exit_adapter else None}
+
+
+def _local_serve(args, models: dict, max_num_seqs: int):
+    """Start the models as a Serve application on 127.0.0.1; returns a stop function."""
+    import ray
+    import torch
+    from ray import serve
+
+    from deployments.app import bind_app
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+    unit = {"models": {**models, "served_model_name": "sweep"}, "colocation": "in_process",
+            "torch_threads": torch.get_num_threads(), "max_num_seqs": max_num_seqs,
+            "max_concurrent_requests": max(16, max_num_seqs)}
+    serve.run(bind_app(unit), name="sweep", route_prefix="/")
+
+    def stop():
+        serve.shutdown()
+        ray.shutdown()
+    return stop
+
+
+def run(args) -> dict:
     levels = [int(x) for x in args.concurrency.split(",")]
     modes = args.modes.split(",")
     prompts = WORKLOAD_PROMPTS[args.workload]
     chat = args.workload == "chat"
+    sections: dict[str, list[dict]] = {}
     if args.url:
-        rows = sweep(lambda m: http_sender(args.url, args.model, m, args.max_tokens, chat), modes, levels,
-                     args.requests, prompts)
-        where = "HTTP"
-    else:
-        import torch
+        http = lambda m: http_sender(args.url, args.model, m, args.max_tokens, chat)  # noqa: E731
+        sections["HTTP"] = sweep(http, modes, levels, args.requests, prompts)
+        return sections
+    import torch
 
-        from specdec.config import ModelConfig
-        from specdec.demo import demo_exit_adapter, demo_paths
-        from specdec.engine import Engine
+    from specdec.config import ModelConfig
+    from specdec.engine import Engine
 
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        paths = demo_paths()
-        exit_adapter = None if args.target else demo_exit_adapter()
-        engine = Engine.load(ModelConfig(
-            target=args.target or str(paths["target"]), draft=args.draft or str(paths["draft"]), dtype=args.dtype,
-            draft_dtype="bfloat16", early_exit_adapter=str(exit_adapter) if exit_adapter else None,
-        ), max_num_seqs=max(levels))
-        rows = sweep(lambda m: in_process_sender(engine, m, args.max_tokens, chat), modes, levels, args.requests, prompts)
-        where = "in process"
-    print(table(rows, where))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    models = _models(args)
+    engine = Engine.load(ModelConfig(**models), max_num_seqs=max(levels))
+    send = lambda m: in_process_sender(engine, m, args.max_tokens, chat)  # noqa: E731
+    for mode in modes:
+        send(mode)(prompts[0])  # warm-up
+    sections["in process"] = sweep(send, modes, levels, args.requests, prompts)
+    if args.http:
+        stop = _local_serve(args, models, max(levels))
+        try:
+            url = f"http://127.0.0.1:{args.port}"
+            http = lambda m: http_sender(url, "sweep", m, args.max_tokens, chat)  # noqa: E731
+            for mode in modes:
+                http(mode)(prompts[0])
+            sections["HTTP"] = sweep(http, modes, levels, args.requests, prompts)
+        finally:
+            stop()
+    return sections
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return run_from_args(p.parse_args(argv))
+
+
+def run_from_args(args) -> int:
+    sections = run(args)
+    for where, rows in sections.items():
+        print(f"\n{where}, {args.workload}, {args.max_tokens} tokens per request, {args.requests} per stream")
+        print(table(rows, where))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"where": where, "args": vars(args), "rows": rows}, f, indent=2)
+            options = {k: v for k, v in vars(args).items() if not callable(v)}
+            json.dump({"args": options, "sections": sections}, f, indent=2)
     if args.plot:
-        plot(rows, args.plot)
+        plot(sections, args.plot)
     return 0
 
 
