@@ -11,9 +11,12 @@ reports its own compute times.
 
 from __future__ import annotations
 
+import logging
+import time
+
 import ray
 import torch
-from ray.exceptions import GetTimeoutError, RayError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 from specdec import telemetry
 from specdec.batch.drafters import DraftResult, DraftRow
@@ -23,6 +26,8 @@ from specdec.config import ModelConfig, SpeculationConfig
 from specdec.decoding import DraftUnavailable
 from specdec.engine import load_draft, load_target_step
 from specdec.runner import load_tokenizer
+
+log = logging.getLogger("ray.serve")
 
 
 def _setup_process(service: str, trace_sample_ratio: float, torch_threads: int | None) -> None:
@@ -75,22 +80,50 @@ class DraftWorker:
 
 
 class RemoteTarget:
-    """The step loop's target side over a TargetWorker (one call per step)."""
+    """The step loop's target side over a TargetWorker (one call per step).
 
-    def __init__(self, actor, max_length: int | None, timeout_s: float | None = None):
+    A worker that dies mid-step is restarted by Ray (``max_restarts=-1``) and the step is sent
+    again: every row carries its full ids and pool range, so the new worker re-prefills and the
+    requests go on token for token (round seeds make sampling resume exactly too).
+    """
+
+    def __init__(self, actor, max_length: int | None, timeout_s: float | None = None, restarts: int = 3):
         self.actor = actor
         self.max_length = max_length
         self.timeout_s = timeout_s
+        self.restarts = restarts
+        self.resumed = 0  # steps sent again after the worker died
 
     def run(self, rows, chunks, external, release) -> StepResult:
         # ``external`` may be an ObjectRef from the DraftWorker: Ray hands it to the target
         # worker directly.
-        try:
-            return ray.get(self.actor.step.remote(rows, chunks, external, list(release)), timeout=self.timeout_s)
-        except RayError:
-            if isinstance(external, ray.ObjectRef) and _failed(external):
-                raise DraftUnavailable("the draft worker did not deliver its proposals") from None
-            raise
+        for attempt in range(self.restarts + 1):
+            try:
+                return ray.get(self.actor.step.remote(rows, chunks, external, list(release)), timeout=self.timeout_s)
+            except RayActorError:
+                if isinstance(external, ray.ObjectRef) and _failed(external):
+                    raise DraftUnavailable("the draft worker did not deliver its proposals") from None
+                if attempt == self.restarts:
+                    raise
+                log.warning("the target worker died mid-step; waiting for its restart to resume")
+                self._wait_alive()
+                self.resumed += 1
+            except RayError:
+                if isinstance(external, ray.ObjectRef) and _failed(external):
+                    raise DraftUnavailable("the draft worker did not deliver its proposals") from None
+                raise
+        raise AssertionError("unreachable")
+
+    def _wait_alive(self) -> None:
+        deadline = time.monotonic() + (self.timeout_s or 120.0)
+        while True:
+            try:
+                ray.get(self.actor.info.remote(), timeout=max(1.0, deadline - time.monotonic()))
+                return
+            except (RayActorError, GetTimeoutError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
 
 
 class RemoteDraft:

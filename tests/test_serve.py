@@ -383,3 +383,36 @@ def test_two_requests_with_one_x_request_id_are_isolated(server, solo):
 
     for prompt, tokens in zip(prompts, asyncio.run(both())):
         assert tokens == solo[prompt]
+
+
+def test_target_worker_killed_mid_stream_the_stream_resumes_token_identical(server, solo):
+    """The target worker dies mid-stream: Ray restarts it, the step is sent again with every
+    row's ids, the new worker re-prefills, and the stream completes as if nothing happened."""
+    router = serve.get_deployment_handle("SpecRouter", app_name="actors")
+    target_name = router.info.remote().result()["worker_names"]["target"]
+    tok = load_tokenizer(str(server["target"]))
+    prompt = BATCH_PROMPTS[1]
+    ids = tok(prompt)["input_ids"]
+    target = LocalTarget(ModelRunner(load_model(str(server["target"]))))
+    expected = [t for s in decode(target, None, DecodeRequest(ids, 200)) for t in s.tokens]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 200, "temperature": 0, "stream": True,
+            "return_token_ids": True, "ignore_eos": True, "speculation": {"mode": "draft", "num_speculative_tokens": 3}}
+    tokens, killed_at, resumed_after = [], None, None
+    with httpx.stream("POST", f"{BASE}/actors/v1/completions", json=body, timeout=180) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            new = chunk["choices"][0].get("token_ids", [])
+            if killed_at is not None and resumed_after is None and new:
+                resumed_after = time.perf_counter() - killed_at
+            tokens += new
+            if killed_at is None and len(tokens) >= 20:
+                named = {a["name"]: a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True)}
+                ray.kill(ray.get_actor(target_name, namespace=named[target_name]), no_restart=False)
+                killed_at = time.perf_counter()
+            last = chunk
+    assert killed_at is not None and resumed_after is not None
+    assert tokens == expected[: len(tokens)] and len(tokens) == 200
+    assert last["choices"][0]["finish_reason"] == "length"
+    print(f"target worker killed: the stream resumed after {resumed_after:.2f} s")
