@@ -92,7 +92,11 @@ class UnitArgs(_Strict):
         "reserves prompt + max_tokens); None sizes it from the device (60% of free GPU memory, 10% of RAM)."
     )
     worker_timeout_s: float = Field(
-        120.0, gt=0, description="actors: longest a worker may take over one step before the step fails."
+        120.0, gt=0, description="actors: longest the target worker may take over one step before the step fails."
+    )
+    draft_timeout_s: float = Field(
+        10.0, gt=0, description="actors: longest the draft worker may take over one step; past it the step "
+        "runs plainly and the worker is replaced (a hung worker is treated like a dead one)."
     )
     torch_threads: int | None = Field(
         None,

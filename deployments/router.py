@@ -79,7 +79,7 @@ def build_engine(args: UnitArgs) -> tuple[Engine, dict]:
             **_worker_options("draft", DRAFT_BUNDLE, res.draft_cpus, res.draft_gpus)
         ).remote(models, info["capacity_tokens"], args.trace_sample_ratio, args.torch_threads)
         ray.get(draft_actor.ready.remote())
-        draft = RemoteDraft(draft_actor)
+        draft = RemoteDraft(draft_actor, args.draft_timeout_s)
         actors["draft"] = draft_actor
     engine = Engine.from_parts(
         tokenizer, RemoteTarget(target_actor, info["max_length"], args.worker_timeout_s), draft,
@@ -262,9 +262,11 @@ class SpecRouter:
             cancelled.set()  # the client went away, or we finished: stop the loop thread
 
     def check_health(self) -> None:
+        """Every worker answers (in process: the step loop is alive). A busy target answers
+        between steps, so a long step delays the answer without failing it."""
         for name, actor in self.actors.items():
-            if name == "target":
-                ray.get(actor.info.remote(), timeout=30)
+            ray.get((actor.info if name == "target" else actor.ready).remote(), timeout=60)
+        self.engine.loop.check_alive()
 
     def record_autoscaling_stats(self) -> dict:
         """Custom autoscaling metrics (Serve calls this periodically; deployments/autoscaling.py

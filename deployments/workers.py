@@ -12,6 +12,7 @@ reports its own compute times.
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import ray
@@ -72,6 +73,9 @@ class DraftWorker:
     def ready(self) -> bool:
         return True
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
@@ -95,8 +99,10 @@ class RemoteTarget:
         self.resumed = 0  # steps sent again after the worker died
 
     def run(self, rows, chunks, external, release) -> StepResult:
-        # ``external`` may be an ObjectRef from the DraftWorker: Ray hands it to the target
-        # worker directly.
+        # ``external`` may be the DraftWorker's pending result: its ObjectRef goes to the
+        # target worker directly, once it is known to arrive in time.
+        if isinstance(external, PendingDraft):
+            external = external.ref_in_time()
         for attempt in range(self.restarts + 1):
             try:
                 return ray.get(self.actor.step.remote(rows, chunks, external, list(release)), timeout=self.timeout_s)
@@ -126,14 +132,42 @@ class RemoteTarget:
                 time.sleep(0.2)
 
 
+class PendingDraft:
+    """A DraftWorker's result on its way (``RemoteDraft.propose``)."""
+
+    def __init__(self, ref: ray.ObjectRef, source: "RemoteDraft"):
+        self.ref, self.source = ref, source
+
+    def ref_in_time(self) -> ray.ObjectRef:
+        return self.source.wait(self.ref)
+
+
 class RemoteDraft:
-    """The step loop's draft side over a DraftWorker: returns the ObjectRef at once."""
+    """The step loop's draft side over a DraftWorker: returns at once, never waits.
 
-    def __init__(self, actor):
+    A worker that does not deliver within ``timeout_s`` (hung, not dead: a dead one fails its
+    ref at once) is treated like a dead one: that step runs plainly and the worker is replaced
+    (killed; Ray restarts it). While the replacement loads, late answers only cost plain steps.
+    """
+
+    def __init__(self, actor, timeout_s: float = 10.0):
         self.actor = actor
+        self.timeout_s = timeout_s
+        self.replacing = False
 
-    def propose(self, rows, release):
-        return self.actor.propose.remote(rows, list(release))
+    def propose(self, rows, release) -> PendingDraft:
+        return PendingDraft(self.actor.propose.remote(rows, list(release)), self)
+
+    def wait(self, ref: ray.ObjectRef) -> ray.ObjectRef:
+        ready, _ = ray.wait([ref], timeout=self.timeout_s)
+        if ready:
+            self.replacing = False
+            return ref
+        if not self.replacing:
+            log.warning("the draft worker did not answer in %.1f s: replacing it", self.timeout_s)
+            ray.kill(self.actor, no_restart=False)
+            self.replacing = True
+        raise DraftUnavailable(f"the draft worker did not answer in {self.timeout_s} s")
 
 
 def _failed(ref: ray.ObjectRef) -> bool:

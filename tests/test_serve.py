@@ -45,6 +45,7 @@ def server(llama_pair, tmp_path_factory):
             },
             "colocation": mode,
             "resources": {"target_cpus": 0.5, "draft_cpus": 0.25},
+            "draft_timeout_s": 3.0,
         }
         serve.run(build_app(args), name=mode, route_prefix=f"/{mode}")
     yield {**llama_pair, "traces": home / "traces"}
@@ -416,3 +417,37 @@ def test_target_worker_killed_mid_stream_the_stream_resumes_token_identical(serv
     assert tokens == expected[: len(tokens)] and len(tokens) == 200
     assert last["choices"][0]["finish_reason"] == "length"
     print(f"target worker killed: the stream resumed after {resumed_after:.2f} s")
+
+
+def test_draft_worker_stopped_mid_stream_the_stream_completes(server, solo):
+    """SIGSTOP the draft worker (hung, not dead): past draft_timeout_s the step runs plainly,
+    the worker is replaced, and the stream completes token-identical."""
+    import signal
+
+    router = serve.get_deployment_handle("SpecRouter", app_name="actors")
+    draft_name = router.info.remote().result()["worker_names"]["draft"]
+    named = {a["name"]: a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True)}
+    draft = ray.get_actor(draft_name, namespace=named[draft_name])
+    pid = ray.get(draft.pid.remote())
+    prompt = BATCH_PROMPTS[2]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0, "stream": True,
+            "return_token_ids": True, "ignore_eos": True, "speculation": {"mode": "draft", "num_speculative_tokens": 3}}
+    tokens, stopped = [], False
+    try:
+        with httpx.stream("POST", f"{BASE}/actors/v1/completions", json=body, timeout=180) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                tokens += chunk["choices"][0].get("token_ids", [])
+                if not stopped and tokens:
+                    os.kill(pid, signal.SIGSTOP)
+                    stopped = True
+                last = chunk
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass  # replaced: the hung process was killed
+    assert stopped and tokens == solo[prompt]
+    assert last["speculation"]["draft_failures"] >= 1

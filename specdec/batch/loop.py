@@ -183,6 +183,11 @@ class StepLoop:
         return {"running": len(self._running), "waiting": len(self._waiting), "steps": self.steps,
                 "free_tokens": self.allocator.free_tokens, "capacity_tokens": self.allocator.capacity}
 
+    def check_alive(self) -> None:
+        """Raise if requests are waiting and the loop thread has died."""
+        if (self._running or self._waiting) and (self._thread is None or not self._thread.is_alive()):
+            raise RuntimeError("the step loop is not running")
+
     def close(self) -> None:
         with self._cv:
             self._closed = True
