@@ -54,7 +54,7 @@ def bind_app(args: dict, **router_options) -> Application:
     serve_config.yaml sets them under ``deployments:``.
     """
     parsed = AppArgs.model_validate(args)
-    unit = UnitArgs.model_validate(parsed.model_dump(exclude={"ingress_cpus"}))
+    unit = UnitArgs.model_validate(parsed.model_dump(exclude={"ingress_cpus", "api_keys"}))
     name = resolve_models(parsed.models).name
     router = build_unit(unit, **router_options)
-    return Ingress.options(ray_actor_options={"num_cpus": parsed.ingress_cpus}).bind(router, name)
+    return Ingress.options(ray_actor_options={"num_cpus": parsed.ingress_cpus}).bind(router, name, parsed.api_keys)

@@ -113,3 +113,7 @@ class AppArgs(UnitArgs):
     """``args:`` of the application: the unit's arguments plus the ingress's."""
 
     ingress_cpus: float = Field(0.1, ge=0)
+    api_keys: list[str] | None = Field(
+        None, description="Keys clients must send as 'Authorization: Bearer <key>' on every /v1 route "
+        "(SPECDEC_API_KEY adds comma-separated keys from the environment; keep keys out of configs in git)."
+    )

@@ -1,7 +1,9 @@
 """Ingress: the OpenAI-style HTTP API (FastAPI), one streaming router call per request."""
 
 
+import hmac
 import json
+import os
 import time
 import uuid
 
@@ -17,6 +19,41 @@ from deployments.protocol import ChatCompletionRequest, CompletionRequest, UnitR
 from specdec import telemetry
 
 app = FastAPI(title="specdec", description="Exact speculative decoding, OpenAI-style API")
+
+# API keys this process accepts (the Ingress sets them); empty: no authentication. As vLLM's
+# --api-key: every /v1 route needs one, /health does not.
+_API_KEYS: list[bytes] = []
+
+
+def api_keys(configured: list[str] | None) -> list[str]:
+    """The keys in force: the app's ``api_keys`` and SPECDEC_API_KEY (comma-separated)."""
+    keys = list(configured or []) + os.environ.get("SPECDEC_API_KEY", "").split(",")
+    return [k.strip() for k in keys if k.strip()]
+
+
+def _authorized(header: str | None) -> bool:
+    scheme, _, token = (header or "").partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        return False
+    given = token.strip().encode()
+    # Every key compared in constant time: no early exit that a timing could reveal.
+    return any([hmac.compare_digest(given, key) for key in _API_KEYS])
+
+
+@app.middleware("http")
+async def _authenticate(request: Request, call_next):
+    if _API_KEYS and _needs_key(request.url.path):
+        if not _authorized(request.headers.get("authorization")):
+            response = _error(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                              code="invalid_api_key")
+            response.headers["www-authenticate"] = "Bearer"
+            return response
+    return await call_next(request)
+
+
+def _needs_key(path: str) -> bool:
+    """Every route of the OpenAI API (under any route prefix); not /health."""
+    return "/v1/" in path or path.endswith("/v1")
 
 
 def _error(status: int, message: str, *, param: str | None = None, code: str | None = None) -> JSONResponse:
@@ -133,7 +170,8 @@ class _Response:
 @serve.deployment(name="Ingress")
 @serve.ingress(app)
 class Ingress:
-    def __init__(self, router: DeploymentHandle, model_name: str):
+    def __init__(self, router: DeploymentHandle, model_name: str, keys: list[str] | None = None):
+        _API_KEYS[:] = [k.encode() for k in api_keys(keys)]
         self.router = router.options(stream=True)
         self.model_name = model_name
         self.created = int(time.time())
@@ -153,12 +191,13 @@ class Ingress:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
-        messages = [{"role": m.role, "content": m.content} for m in body.messages]
+        messages = [{"role": m.role, "content": m.text} for m in body.messages]
         return await self._serve(body, {"messages": messages}, request, chat=True)
 
     async def _serve(self, body, inputs: dict, http: Request, *, chat: bool):
         if body.model != self.model_name:
-            return _error(404, f"the model '{body.model}' does not exist", param="model", code="model_not_found")
+            shown = body.model[:200].encode("utf-8", "backslashreplace").decode("utf-8")  # lone surrogates too
+            return _error(404, f"the model '{shown}' does not exist", param="model", code="model_not_found")
         if refused := body.refuse_unsupported():
             return _error(400, refused[1], param=refused[0], code="unsupported")
         # Serve's request id (a client's x-request-id, or one the proxy made) is echoed in the
@@ -177,6 +216,7 @@ class Ingress:
             seed=body.seed,
             stop=list(body.stop or []),
             ignore_eos=body.ignore_eos,
+            stop_token_ids=list(body.stop_token_ids or []),
             mode=spec.mode if spec else None,
             k=spec.num_speculative_tokens if spec else None,
             # The trace context crosses the Ray hop explicitly: Serve's own span when Serve

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_validator
 
@@ -13,6 +13,16 @@ class SpeculationOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     mode: Literal["auto", "draft", "ngram", "early_exit", "off"] | None = None
     num_speculative_tokens: int | None = Field(None, ge=1, le=64)
+
+
+# OpenAI options that change the answer and that this server does not implement: refused (400)
+# unless neutral. Penalties are among them: applied to p alone they would break exactness, and
+# applying them to both p and q at every position is not done yet.
+UNSUPPORTED = (
+    "logprobs", "top_logprobs", "echo", "best_of", "suffix", "logit_bias", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "min_tokens", "min_p", "response_format", "tools",
+    "tool_choice", "functions", "function_call", "parallel_tool_calls", "guided_json", "guided_regex",
+)
 
 
 class _Common(BaseModel):
@@ -34,6 +44,9 @@ class _Common(BaseModel):
     speculation: SpeculationOptions | None = None
     return_token_ids: StrictBool = False
     ignore_eos: StrictBool = Field(False, description="Generate max_tokens tokens whatever EOS says (vLLM's).")
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None, max_length=64, description="Token ids that end the answer, kept in it (vLLM's)."
+    )
 
     @field_validator("temperature", "top_p")
     @classmethod
@@ -51,12 +64,19 @@ class _Common(BaseModel):
         return stops
 
     def refuse_unsupported(self) -> tuple[str, str] | None:
-        """(param, message) for an OpenAI option that would change the answer and we lack."""
+        """(param, message) for an OpenAI option that would change the answer and we lack.
+
+        A neutral value (null, false, 0, {}, [], "", best_of 1) is the same as leaving the
+        option out: clients such as LangChain's send ``logit_bias: {}`` by default.
+        """
         extra = self.model_extra or {}
-        for name in ("logprobs", "top_logprobs", "echo", "best_of", "suffix", "tools", "logit_bias"):
+        for name in UNSUPPORTED:
             value = extra.get(name)
-            if value not in (None, False, 0, 1 if name == "best_of" else None):
-                return name, f"'{name}' is not supported by this server"
+            if value is None or value is False or value in ({}, [], "") or (value == 0 and not isinstance(value, str)):
+                continue
+            if name == "best_of" and value == 1:
+                continue
+            return name, f"'{name}' is not supported by this server"
         return None
 
     @property
@@ -79,10 +99,20 @@ class CompletionRequest(_Common):
         return v
 
 
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: StrictStr
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: StrictStr
+    content: StrictStr | list[TextPart]  # text parts only: images and audio are refused
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
 class ChatCompletionRequest(_Common):
@@ -104,6 +134,7 @@ class UnitRequest:
     seed: int | None
     stop: list[str]
     ignore_eos: bool
+    stop_token_ids: list[int]
     mode: str | None  # speculation.mode; None: the unit's default
     k: int | None  # speculation.num_speculative_tokens
     trace_context: dict = field(default_factory=dict)

@@ -159,6 +159,7 @@ class SpecRouter:
             mode=mode,
             k=req.k,  # the policy caps it at the operator's k_max
             ignore_eos=req.ignore_eos,
+            stop_token_ids=req.stop_token_ids,
         )
         try:
             engine.request(ids, **kwargs)  # validated once here: a refusal is the client's 400

@@ -156,7 +156,7 @@ class Engine:
 
     def request(self, prompt_ids: list[int], *, max_tokens: int, params: SamplingParams = SamplingParams(),
                 stop: list[str] | None = None, mode: str | None = None, k: int | None = None,
-                ignore_eos: bool = False) -> GenerationRequest:
+                ignore_eos: bool = False, stop_token_ids: list[int] | None = None) -> GenerationRequest:
         """The one place a request is validated and defaulted."""
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
@@ -169,7 +169,7 @@ class Engine:
                 f"exceeds the model's context length ({limit})"
             )
         req = GenerationRequest(list(prompt_ids), max_tokens, params, self.resolve_mode(mode), k,
-                                tuple(stop or ()), ignore_eos)
+                                tuple(stop or ()), ignore_eos, frozenset(stop_token_ids or ()))
         self.loop.check_fits(req)
         return req
 

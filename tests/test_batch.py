@@ -362,3 +362,20 @@ def test_specdec_sweep_prints_the_table_and_plots(llama_pair, tmp_path, capsys):
 
     rows = json.loads(out.read_text())["sections"]["in process"]
     assert {(r["mode"], r["concurrency"]) for r in rows} == {("off", 1), ("auto", 1), ("off", 2), ("auto", 2)}
+
+
+def test_stop_token_ids_end_the_request_and_ignore_eos_keeps_going(engine):
+    ids = engine.encode(prompt=PROMPTS[3])
+    full = _solo(engine, ids, 20)
+    stop_at = full[5]
+    first = full.index(stop_at)
+    res = engine.generate(ids, max_tokens=20, mode="draft", stop_token_ids=[stop_at], ignore_eos=True)
+    assert res.token_ids == full[: first + 1] and res.finish_reason == "stop"
+    engine.eos_token_ids, saved = frozenset({full[2]}), engine.eos_token_ids
+    try:
+        stopped = engine.generate(ids, max_tokens=20, mode="ngram")
+        going = engine.generate(ids, max_tokens=20, mode="ngram", ignore_eos=True)
+    finally:
+        engine.eos_token_ids = saved
+    assert stopped.token_ids == full[: full.index(full[2]) + 1] and stopped.finish_reason == "stop"
+    assert going.token_ids == full and going.finish_reason == "length"

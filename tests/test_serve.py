@@ -24,6 +24,7 @@ BASE = f"http://127.0.0.1:{PORT}"
 MODEL = "tiny"
 MODES = ["in_process", "actors"]
 PROMPTS = ["The cat sees", "My friend builds the old", "Def f1(x): return x +"]
+KEYS = ["key-one", "key-two"]
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +49,9 @@ def server(llama_pair, tmp_path_factory):
             "draft_timeout_s": 3.0,
         }
         serve.run(build_app(args), name=mode, route_prefix=f"/{mode}")
+    secured = {"models": {"target": str(llama_pair["target"]), "dtype": "float32", "served_model_name": MODEL},
+               "colocation": "in_process", "api_keys": KEYS}
+    serve.run(build_app(secured), name="secured", route_prefix="/secured")
     yield {**llama_pair, "traces": home / "traces"}
     serve.shutdown()
     ray.shutdown()
@@ -174,6 +178,12 @@ BAD_REQUESTS = [
     ({"prompt": "x", "n": 2}, 400, "n"),
     ({"prompt": "x", "stream": "yes"}, 400, "stream"),
     ({"prompt": "x", "model": "gpt-17"}, 404, "model"),
+    ({"prompt": "x", "presence_penalty": 2}, 400, "presence_penalty"),
+    ({"prompt": "x", "frequency_penalty": -1.5}, 400, "frequency_penalty"),
+    ({"prompt": "x", "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ({"prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    ({"prompt": "x", "min_tokens": 5}, 400, "min_tokens"),
 ]
 
 
@@ -183,6 +193,26 @@ def test_bad_input_gets_an_openai_error(server, body, status, param):
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["param"] == param and err["message"]
+
+
+def test_neutral_values_mean_absent_and_text_parts_are_text(server):
+    neutral = {"logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0.0, "tools": [], "best_of": 1,
+               "response_format": None, "logprobs": False}
+    plain = completion("in_process", prompt="The cat", max_tokens=6).json()
+    r = completion("in_process", prompt="The cat", max_tokens=6, **neutral)
+    assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == plain["choices"][0]["token_ids"]
+    chat = lambda content: httpx.post(f"{BASE}/in_process/v1/chat/completions", timeout=60, json={  # noqa: E731
+        "model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 6, "temperature": 0})
+    as_text, as_parts = chat("hello there"), chat([{"type": "text", "text": "hello "}, {"type": "text", "text": "there"}])
+    assert as_parts.status_code == 200 and as_parts.json()["choices"] == as_text.json()["choices"]
+    image = chat([{"type": "image_url", "image_url": {"url": "http://x/y.png"}}])
+    assert image.status_code == 400 and image.json()["error"]["param"].startswith("messages")
+    # A vanishing temperature is greedy, never a 5xx; a lone surrogate as model name is a 404.
+    r = completion("in_process", prompt="The cat", max_tokens=6, temperature=1e-300)
+    assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == plain["choices"][0]["token_ids"]
+    r = httpx.post(f"{BASE}/in_process/v1/completions", content=b'{"model": "\\ud800", "prompt": "x"}',
+                   headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
 
 
 def test_malformed_bodies_and_chat_errors(server):
@@ -451,3 +481,37 @@ def test_draft_worker_stopped_mid_stream_the_stream_completes(server, solo):
             pass  # replaced: the hung process was killed
     assert stopped and tokens == solo[prompt]
     assert last["speculation"]["draft_failures"] >= 1
+
+
+@pytest.mark.parametrize("route", ["models", "completions", "chat", "completions-bad-body"])
+def test_api_keys_guard_every_v1_route(server, route):
+    """No key, a wrong key: 401 with an OpenAI error object; either right key: served.
+    /health needs none (as vLLM's --api-key)."""
+    url = f"{BASE}/secured/v1/" + {"models": "models", "chat": "chat/completions"}.get(route, "completions")
+    body = {
+        "models": None,
+        "completions": {"model": MODEL, "prompt": "The cat", "max_tokens": 4},
+        "chat": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+        "completions-bad-body": {"model": MODEL, "prompt": 42},
+    }[route]
+
+    def call(headers):
+        if body is None:
+            return httpx.get(url, headers=headers, timeout=60)
+        return httpx.post(url, json=body, headers=headers, timeout=60)
+
+    for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "key-one"}, {"authorization": "Basic key-one"}):
+        r = call(headers)
+        assert r.status_code == 401, (headers, r.status_code)
+        assert r.json()["error"]["code"] == "invalid_api_key" and r.headers["www-authenticate"] == "Bearer"
+    for key in KEYS:
+        r = call({"authorization": f"Bearer {key}"})
+        assert r.status_code == (400 if route == "completions-bad-body" else 200), r.text
+    assert httpx.get(f"{BASE}/secured/health", timeout=60).status_code == 200
+
+
+def test_the_openai_client_sends_its_key(server):
+    client = openai.OpenAI(base_url=f"{BASE}/secured/v1", api_key=KEYS[1])
+    assert client.completions.create(model=MODEL, prompt="The cat", max_tokens=4).usage.completion_tokens >= 1
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{BASE}/secured/v1", api_key="nope").models.list()

@@ -49,7 +49,8 @@ class GenerationRequest:
     mode: str = "off"  # resolved: "off", "auto" or a drafter's name
     k: int | None = None  # an explicit k (with a named mode: exactly that k, capped at k_max)
     stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
+    ignore_eos: bool = False  # EOS does not end the request (stop_token_ids still do)
+    stop_token_ids: frozenset[int] = frozenset()  # tokens that end the request, kept in the output
 
 
 @dataclass
@@ -398,11 +399,11 @@ class StepLoop:
         remaining = live.req.max_tokens - len(live.out)
         tokens = verdict.tokens[:remaining]
         finish = None
-        if not live.req.ignore_eos:
-            for i, token in enumerate(tokens):
-                if token in self.eos_token_ids:
-                    tokens, finish = tokens[: i + 1], "stop"
-                    break
+        stops = live.req.stop_token_ids if live.req.ignore_eos else live.req.stop_token_ids | self.eos_token_ids
+        for i, token in enumerate(tokens):
+            if token in stops:
+                tokens, finish = tokens[: i + 1], "stop"
+                break
         live.out.extend(tokens)
         if finish is None and len(live.out) >= live.req.max_tokens:
             finish = "length"
