@@ -44,6 +44,11 @@ def load_model(name_or_path: str, dtype: str = "float32", device: str = "cpu") -
     return model.to(resolve_device(device)).eval()
 
 
+def model_max_length(config) -> int | None:
+    """The longest sequence a model's positions allow (Llama-style or GPT-2 configs)."""
+    return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+
+
 def load_tokenizer(name_or_path: str):
     return AutoTokenizer.from_pretrained(name_or_path)
 
@@ -90,8 +95,7 @@ class ModelRunner:
 
     @property
     def max_length(self) -> int | None:
-        cfg = self.model.config
-        return getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+        return model_max_length(self.model.config)
 
     def _seq(self, seq_id: str) -> SequenceCache:
         seq = self._seqs.get(seq_id)

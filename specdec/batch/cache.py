@@ -71,6 +71,13 @@ class RangeAllocator:
         self._free = merged
 
 
+def kv_shape(config) -> tuple[int, int, int]:
+    """(layers, key/value heads, head dim) of a Hugging Face decoder config."""
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_hidden_layers, heads, head_dim
+
+
 @dataclass
 class RowPlan:
     """One row of a step: the sequence's pool range, tokens it keeps, tokens it feeds."""
@@ -101,9 +108,8 @@ class FlatBatchCache(Cache):
     @staticmethod
     def bytes_per_token(config, dtype: torch.dtype) -> int:
         """Pool bytes one cached token takes (keys and values, every layer)."""
-        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return 2 * config.num_hidden_layers * heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        layers, heads, head_dim = kv_shape(config)
+        return 2 * layers * heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     def plan(self, rows: list[RowPlan]) -> tuple[torch.Tensor, torch.Tensor]:
         """Bind the next forward to ``rows``; returns (position_ids [1, T], mask [1, 1, T, S])."""

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.batch.cache import FlatBatchCache, RowPlan
-from specdec.runner import common_prefix_len
+from specdec.batch.cache import FlatBatchCache, RowPlan, kv_shape
+from specdec.runner import common_prefix_len, model_max_length
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +67,7 @@ class BatchRunner:
         self.dtype = next(model.parameters()).dtype
         cfg = model.config
         capacity = capacity_tokens or default_capacity(cfg, self.dtype, self.device, self.max_length)
-        heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.cache = FlatBatchCache(cfg.num_hidden_layers, heads, head_dim, capacity,
-                                    dtype=self.dtype, device=self.device)
+        self.cache = FlatBatchCache(*kv_shape(cfg), capacity, dtype=self.dtype, device=self.device)
         self._seqs: dict[str, _Seq] = {}
         self.last_fed = 0  # tokens the last forward fed (its cost driver)
         self._lock = threading.RLock()
@@ -88,8 +85,7 @@ class BatchRunner:
 
     @property
     def max_length(self) -> int | None:
-        cfg = self.model.config
-        return getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+        return model_max_length(self.model.config)
 
     @property
     def lock(self) -> threading.RLock:
