@@ -11,9 +11,8 @@ padding): a prefill chunk of 200 tokens and seven 1-token decode rows cost 207 p
 
 - ``position_ids`` [1, T]: each token's position within its own sequence;
 - write indices [T]: the pool row each new token's key/value goes to;
-- read indices [S]: the pool rows of every row's keys, old and new, back to back;
-- a float additive mask [1, 1, T, S]: token t of row r sees key s iff s belongs to r and
-  s's position <= t's position (a float mask: eager attention adds it).
+- for the attention (``specdec.batch.attention``), each row's slice of the T queries and its
+  pool range: its queries attend to a view of its own keys, old and new, nothing else.
 
 Rollback is bookkeeping only: a row's length is whatever its caller says it keeps; positions
 past it are overwritten by the next tokens fed there.
@@ -22,7 +21,7 @@ Worked example (two rows; row a holds 3 tokens in pool rows 1-3 and feeds 1, row
 pool rows 9-10 and feeds 2)::
 
     position_ids = [3 | 2, 3]            write = [4 | 11, 12]
-    read = [1, 2, 3, 4 | 9, 10, 11, 12]  token 0 sees keys 0-3, token 1 keys 4-6, token 2 keys 4-7
+    row a: query 0 attends to pool rows 1-4; row b: queries 1-2 to pool rows 9-12 (causally)
 """
 
 from __future__ import annotations
@@ -31,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache
+
+from specdec.batch import attention
 
 
 class RangeAllocator:
@@ -90,8 +91,8 @@ class RowPlan:
 class FlatBatchCache(Cache):
     """The pool, seen by a Hugging Face model as its cache for one flat step.
 
-    ``update`` writes the step's keys / values into the pool and returns the rows' keys and
-    values gathered back to back ``[1, kv_heads, S, head_dim]``.
+    ``update`` writes the step's keys / values into the pool and hands the attention the
+    layer's whole pool; the bound rows say which part of it each query sees.
     """
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, capacity: int, *,
@@ -103,7 +104,7 @@ class FlatBatchCache(Cache):
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.dtype, self.device = dtype, torch.device(device)
         self._write: torch.Tensor | None = None
-        self._read: torch.Tensor | None = None
+        self._placeholder_mask = torch.zeros(1, 1, 1, 1, dtype=dtype, device=device)
 
     @staticmethod
     def bytes_per_token(config, dtype: torch.dtype) -> int:
@@ -112,32 +113,34 @@ class FlatBatchCache(Cache):
         return 2 * layers * heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     def plan(self, rows: list[RowPlan]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Bind the next forward to ``rows``; returns (position_ids [1, T], mask [1, 1, T, S])."""
+        """Bind the next forward to ``rows``; returns (position_ids [1, T], a placeholder 4D
+        mask: attention is ``specdec.batch.attention``'s, per row, so transformers must not
+        build a mask of its own)."""
         dev = self.device
-        q_pos, write, read, q_row, k_row, k_pos = [], [], [], [], [], []
-        for r, row in enumerate(rows):
+        q_pos, write, ragged, t0 = [], [], [], 0
+        for row in rows:
             q = torch.arange(row.keep, row.keep + row.feed)
             q_pos.append(q)
             write.append(row.start + q)
             n = row.keep + row.feed
-            read.append(torch.arange(row.start, row.start + n))
-            q_row.append(torch.full((row.feed,), r))
-            k_row.append(torch.full((n,), r))
-            k_pos.append(torch.arange(n))
-        q_pos, k_pos = torch.cat(q_pos), torch.cat(k_pos)
-        q_row, k_row = torch.cat(q_row), torch.cat(k_row)
-        self._write, self._read = torch.cat(write).to(dev), torch.cat(read).to(dev)
-        visible = (q_row[:, None] == k_row[None, :]) & (k_pos[None, :] <= q_pos[:, None])  # [T, S]
-        mask = torch.zeros(visible.shape, dtype=self.dtype)
-        mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
-        return q_pos[None].to(dev), mask[None, None].to(dev)
+            mask = None
+            if row.feed > 1:  # causal among the row's own new tokens
+                mask = (torch.arange(n)[None, :] <= q[:, None]).to(dev)
+            ragged.append(attention.RaggedRow(t0, row.feed, row.start, n, mask))
+            t0 += row.feed
+        self._write = torch.cat(write).to(dev)
+        attention.bind(ragged)
+        return torch.cat(q_pos)[None].to(dev), self._placeholder_mask
+
+    def unbind(self) -> None:
+        attention.unbind()
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        # key_states: [1, kv_heads, T, head_dim]
+        # key_states: [1, kv_heads, T, head_dim]; the attention reads rows of the pool in place
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         keys[self._write] = key_states[0].transpose(0, 1).to(keys.dtype)
         values[self._write] = value_states[0].transpose(0, 1).to(values.dtype)
-        return keys[self._read].transpose(0, 1)[None], values[self._read].transpose(0, 1)[None]
+        return keys, values
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # positions come from plan(); nothing in a model should need this

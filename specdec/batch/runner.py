@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec.batch.attention import use_ragged
 from specdec.batch.cache import FlatBatchCache, RowPlan, kv_shape
 from specdec.runner import common_prefix_len, model_max_length
 
@@ -68,6 +69,7 @@ class BatchRunner:
         cfg = model.config
         capacity = capacity_tokens or default_capacity(cfg, self.dtype, self.device, self.max_length)
         self.cache = FlatBatchCache(*kv_shape(cfg), capacity, dtype=self.dtype, device=self.device)
+        use_ragged(model)  # its attention reads each row's keys from the pool in place
         self._seqs: dict[str, _Seq] = {}
         self.last_fed = 0  # tokens the last forward fed (its cost driver)
         self._lock = threading.RLock()
@@ -150,12 +152,15 @@ class BatchRunner:
             tokens.extend(row.ids[plan.keep:])
             offset += plan.feed
             keep_idx.extend(range(offset - row.num_logits, offset))
-        position_ids, mask = self.cache.plan([plan for _, _, plan in planned])
         input_ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         # Only the positions whose logits are asked for go through the LM head.
         keep = torch.tensor(keep_idx or [len(tokens) - 1], dtype=torch.long, device=self.device)
-        result = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
-                            use_cache=True, logits_to_keep=keep, **{self._cache_kw: self.cache})
+        position_ids, mask = self.cache.plan([plan for _, _, plan in planned])
+        try:
+            result = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                                use_cache=True, logits_to_keep=keep, **{self._cache_kw: self.cache})
+        finally:
+            self.cache.unbind()
         logits = result.logits[0].float().cpu()
         at = 0
         for i, seq, plan in planned:

@@ -92,9 +92,12 @@ class ShallowStack:
         from specdec.batch.cache import RowPlan
 
         plans = [RowPlan(runner.start_of(key), pos, 1) for key, pos in zip(keys, positions)]
-        position_ids, mask = runner.cache.plan(plans)
         input_ids = torch.tensor([feeds], dtype=torch.long, device=runner.device)
-        return self.layers_forward(input_ids, position_ids, mask, runner.cache)[0]
+        position_ids, mask = runner.cache.plan(plans)
+        try:
+            return self.layers_forward(input_ids, position_ids, mask, runner.cache)[0]
+        finally:
+            runner.cache.unbind()
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.base.embed_tokens(input_ids) if self.arch == "llama" else self.base.wte(input_ids)

@@ -1,0 +1,75 @@
+"""Ragged attention straight from the token pool: each row attends to its own keys only.
+
+A flat step holds ``T`` new tokens of ``B`` rows. One dense masked attention over every row's
+keys back to back would cost ``T x sum_r n_r`` scores and a gather of every key each layer
+(quadratic in the batch). Instead, for each row, its queries attend to a VIEW of its own
+contiguous pool range (no copy): ``sum_r q_r x n_r`` scores, no gather.
+
+Registered with transformers as the attention implementation ``specdec_ragged``. It acts only
+while a ``BatchRunner`` step is bound (``bind`` / ``unbind``, per thread); any other call of
+the same model (a one-sequence runner, ``generate``) falls through to SDPA unchanged.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+NAME = "specdec_ragged"
+_BOUND = threading.local()
+
+
+@dataclass(frozen=True)
+class RaggedRow:
+    """Row r of a step: its queries are flat tokens [t0, t0 + q); its keys pool rows
+    [start, start + n), the last q of them its own new tokens. ``mask``: [q, n] bool (True =
+    attend), None when q == 1 (the one query sees every key)."""
+
+    t0: int
+    q: int
+    start: int
+    n: int
+    mask: torch.Tensor | None
+
+
+def bind(rows: list[RaggedRow]) -> None:
+    _BOUND.rows = rows
+
+
+def unbind() -> None:
+    _BOUND.rows = None
+
+
+def bound() -> bool:
+    return getattr(_BOUND, "rows", None) is not None
+
+
+def ragged_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """query [1, H, T, D]; key / value: the layer's whole pool [capacity + 1, Hkv, D] while a
+    step is bound. Returns [1, T, H, D] as transformers' attention functions do."""
+    rows = getattr(_BOUND, "rows", None)
+    if rows is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    gqa = key.shape[1] != query.shape[1]
+    outs = []
+    for r in rows:
+        q = query[:, :, r.t0: r.t0 + r.q]
+        k = key[r.start: r.start + r.n].transpose(0, 1).unsqueeze(0)  # a view: [1, Hkv, n, D]
+        v = value[r.start: r.start + r.n].transpose(0, 1).unsqueeze(0)
+        outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=r.mask, scale=scaling, enable_gqa=gqa))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(NAME, ragged_attention)
+
+
+def use_ragged(model: torch.nn.Module) -> None:
+    """Make ``model`` (and every sub-config sharing its config) attend through ``NAME``."""
+    model.config._attn_implementation = NAME
