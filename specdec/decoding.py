@@ -47,6 +47,28 @@ def round_seed(request_seed: int, round_index: int, role: int) -> int:
     return (z ^ (z >> 31)) >> 1
 
 
+def cut_round(tokens: list[int], remaining: int, stop_ids: frozenset[int]) -> tuple[list[int], str | None]:
+    """What a request keeps of a round's tokens, and why it ends (None: it goes on).
+
+    At most ``remaining`` tokens; a stop token (EOS, a stop id) ends the request and is kept.
+
+        >>> cut_round([5, 9, 2, 7], 10, frozenset({2}))
+        ([5, 9, 2], 'stop')
+        >>> cut_round([5, 9, 2, 7], 2, frozenset({2}))
+        ([5, 9], 'length')
+    """
+    tokens = tokens[:remaining]
+    for i, token in enumerate(tokens):
+        if token in stop_ids:
+            return tokens[: i + 1], "stop"
+    return tokens, ("length" if len(tokens) >= remaining else None)
+
+
+def draft_budget(k: int, remaining: int) -> int:
+    """A round emits at most k + 1 tokens: never draft past ``max_tokens``."""
+    return max(0, min(k, remaining - 1))
+
+
 def _pad_vocab(probs: torch.Tensor, width: int) -> torch.Tensor:
     """Zero-pad [..., v] to [..., width]: ids a model cannot emit have probability 0."""
     extra = width - probs.shape[-1]
@@ -187,7 +209,7 @@ def decode(
             index = len(rounds)
             remaining = request.max_tokens - produced
             # 1. draft k (a round emits at most k + 1 tokens: never draft past max_tokens)
-            kk = 0 if (drafter is None or index == 0) else max(0, min(choose_k(rounds), remaining - 1))
+            kk = 0 if (drafter is None or index == 0) else draft_budget(choose_k(rounds), remaining)
             if index < draft_retry_at:
                 kk = 0  # the drafter failed recently: plain steps until the retry
             started_at = time.time()
@@ -213,15 +235,8 @@ def decode(
                 draft_retry_at = index + DRAFT_RETRY_ROUNDS
             if verdict.num_drafted:
                 drafter.observe(seq_id, verdict.num_drafted, verdict.num_accepted)
-            tokens = verdict.tokens[:remaining]
-            finish = None
-            for i, token in enumerate(tokens):
-                if token in request.eos_token_ids:
-                    tokens, finish = tokens[: i + 1], "stop"
-                    break
+            tokens, finish = cut_round(verdict.tokens, remaining, request.eos_token_ids)
             produced += len(tokens)
-            if finish is None and produced >= request.max_tokens:
-                finish = "length"
             ids.extend(tokens)
             mode = "prefill" if index == 0 else ("off" if kk == 0 or draft_error else drafter.name)
             stats = RoundStats(

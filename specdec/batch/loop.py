@@ -31,7 +31,9 @@ from specdec.batch.drafters import DraftRow, propose_ngram
 from specdec.batch.runner import BatchRow
 from specdec.batch.schedule import Candidate, StepCosts, allocate
 from specdec.batch.target import StepResult, TargetRow
-from specdec.decoding import DRAFT, DRAFT_RETRY_ROUNDS, TARGET, DraftUnavailable, RoundStats, round_seed
+from specdec.decoding import (
+    DRAFT, DRAFT_RETRY_ROUNDS, TARGET, DraftUnavailable, RoundStats, cut_round, draft_budget, round_seed,
+)
 from specdec.policy import CostModel, ModeSwitch, PolicyConfig, SpeculationPolicy
 from specdec.sampling import SamplingParams, make_generator
 from specdec.text import TextStream
@@ -344,7 +346,7 @@ class StepLoop:
             if policy is not None:
                 policy._update(live.rounds, cfg)  # keep its estimates current
             return Candidate(0.0, 0, "off", fixed=True)
-        k = max(0, min(policy(live.rounds), remaining - 1, cfg.k_max))
+        k = draft_budget(min(policy(live.rounds), cfg.k_max), remaining)
         mode = policy.switch.active
         a = policy.acceptance.get(mode, cfg.prior_acceptance)
         seeded = live.req.params.seed is not None and not live.req.params.greedy
@@ -396,17 +398,9 @@ class StepLoop:
         live = plan.live
         if verdict is None:
             raise RuntimeError(f"no verdict for request {live.key}")
-        remaining = live.req.max_tokens - len(live.out)
-        tokens = verdict.tokens[:remaining]
-        finish = None
         stops = live.req.stop_token_ids if live.req.ignore_eos else live.req.stop_token_ids | self.eos_token_ids
-        for i, token in enumerate(tokens):
-            if token in stops:
-                tokens, finish = tokens[: i + 1], "stop"
-                break
+        tokens, finish = cut_round(verdict.tokens, live.req.max_tokens - len(live.out), stops)
         live.out.extend(tokens)
-        if finish is None and len(live.out) >= live.req.max_tokens:
-            finish = "length"
         index = len(live.rounds)
         stats = RoundStats(
             index=index, mode="prefill" if index == 0 else plan.mode, k=plan.k, drafted=verdict.num_drafted,
