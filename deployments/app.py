@@ -9,6 +9,9 @@ from deployments.ingress import Ingress
 from deployments.router import SpecRouter
 
 
+INGRESS_MAX_ONGOING = 256
+
+
 def unit_bundles(args: UnitArgs) -> list[dict]:
     """Placement-group bundles of one unit: router, then (actors mode) target and draft."""
     res = args.resources
@@ -57,4 +60,8 @@ def bind_app(args: dict, **router_options) -> Application:
     unit = UnitArgs.model_validate(parsed.model_dump(exclude={"ingress_cpus", "api_keys"}))
     name = resolve_models(parsed.models).name
     router = build_unit(unit, **router_options)
-    return Ingress.options(ray_actor_options={"num_cpus": parsed.ingress_cpus}).bind(router, name, parsed.api_keys)
+    # The ingress only forwards: the units' own limits (max_concurrent_requests, their queues)
+    # must apply, not Serve's default of 5 requests per replica.
+    return Ingress.options(
+        ray_actor_options={"num_cpus": parsed.ingress_cpus}, max_ongoing_requests=INGRESS_MAX_ONGOING
+    ).bind(router, name, parsed.api_keys)

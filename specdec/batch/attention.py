@@ -50,19 +50,27 @@ def bound() -> bool:
 
 
 def ragged_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
-    """query [1, H, T, D]; key / value: the layer's whole pool [capacity + 1, Hkv, D] while a
+    """query [1, H, T, D]; key / value: the layer's whole pool [Hkv, capacity + 1, D] while a
     step is bound. Returns [1, T, H, D] as transformers' attention functions do."""
     rows = getattr(_BOUND, "rows", None)
     if rows is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
-    gqa = key.shape[1] != query.shape[1]
+    heads, kv_heads, dim = query.shape[1], key.shape[0], query.shape[3]
+    groups = heads // kv_heads
     outs = []
     for r in rows:
         q = query[:, :, r.t0: r.t0 + r.q]
-        k = key[r.start: r.start + r.n].transpose(0, 1).unsqueeze(0)  # a view: [1, Hkv, n, D]
-        v = value[r.start: r.start + r.n].transpose(0, 1).unsqueeze(0)
-        outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=r.mask, scale=scaling, enable_gqa=gqa))
+        k = key[:, r.start: r.start + r.n].unsqueeze(0)  # a view: [1, Hkv, n, D]
+        v = value[:, r.start: r.start + r.n].unsqueeze(0)
+        if r.q == 1 and groups > 1:
+            # One query: fold the heads that share a key head into its query rows (no repeat).
+            packed = q.reshape(1, kv_heads, groups, dim)
+            out = F.scaled_dot_product_attention(packed, k, v, scale=scaling)
+            outs.append(out.reshape(1, heads, 1, dim))
+        else:
+            outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=r.mask, scale=scaling,
+                                                       enable_gqa=groups > 1))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out.transpose(1, 2).contiguous(), None
 

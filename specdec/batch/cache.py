@@ -1,7 +1,7 @@
 """A KV cache shared by many sequences: one token pool per model, a flat ragged layout per step.
 
 Memory is a budget in tokens, not a count of sequences. Each layer's keys and values live in
-one pool tensor ``[capacity + 1, kv_heads, head_dim]`` (row 0 is scratch). A sequence owns a
+one pool tensor ``[kv_heads, capacity + 1, head_dim]`` (token 0 is scratch). A sequence owns a
 contiguous range of pool rows, reserved when it is admitted (prompt + max_tokens + slack) and
 returned when it leaves; ``RangeAllocator`` hands the ranges out first-fit.
 
@@ -99,7 +99,9 @@ class FlatBatchCache(Cache):
                  dtype: torch.dtype, device: torch.device | str):
         super().__init__(layers=[])
         self.capacity = capacity
-        shape = (capacity + 1, kv_heads, head_dim)  # + the scratch row 0
+        # [heads, tokens, dim]: a row's keys are one contiguous block per head, so attention
+        # reads them as a view. Token 0 is scratch.
+        shape = (kv_heads, capacity + 1, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.dtype, self.device = dtype, torch.device(device)
@@ -138,8 +140,8 @@ class FlatBatchCache(Cache):
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         # key_states: [1, kv_heads, T, head_dim]; the attention reads rows of the pool in place
         keys, values = self.keys[layer_idx], self.values[layer_idx]
-        keys[self._write] = key_states[0].transpose(0, 1).to(keys.dtype)
-        values[self._write] = value_states[0].transpose(0, 1).to(values.dtype)
+        keys[:, self._write] = key_states[0].to(keys.dtype)
+        values[:, self._write] = value_states[0].to(values.dtype)
         return keys, values
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
