@@ -1,9 +1,7 @@
 """Ingress: the OpenAI-style HTTP API (FastAPI), one streaming router call per request."""
 
 
-import hmac
 import json
-import os
 import time
 import uuid
 
@@ -15,45 +13,13 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deployments import auth
 from deployments.protocol import ChatCompletionRequest, CompletionRequest, UnitRequest, error_body
 from specdec import telemetry
 
 app = FastAPI(title="specdec", description="Exact speculative decoding, OpenAI-style API")
 
-# API keys this process accepts (the Ingress sets them); empty: no authentication. As vLLM's
-# --api-key: every /v1 route needs one, /health does not.
-_API_KEYS: list[bytes] = []
-
-
-def api_keys(configured: list[str] | None) -> list[str]:
-    """The keys in force: the app's ``api_keys`` and SPECDEC_API_KEY (comma-separated)."""
-    keys = list(configured or []) + os.environ.get("SPECDEC_API_KEY", "").split(",")
-    return [k.strip() for k in keys if k.strip()]
-
-
-def _authorized(header: str | None) -> bool:
-    scheme, _, token = (header or "").partition(" ")
-    if scheme.lower() != "bearer" or not token:
-        return False
-    given = token.strip().encode()
-    # Every key compared in constant time: no early exit that a timing could reveal.
-    return any([hmac.compare_digest(given, key) for key in _API_KEYS])
-
-
-@app.middleware("http")
-async def _authenticate(request: Request, call_next):
-    if _API_KEYS and _needs_key(request.url.path):
-        if not _authorized(request.headers.get("authorization")):
-            response = _error(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                              code="invalid_api_key")
-            response.headers["www-authenticate"] = "Bearer"
-            return response
-    return await call_next(request)
-
-
-def _needs_key(path: str) -> bool:
-    """Every route of the OpenAI API (under any route prefix); not /health."""
-    return "/v1/" in path or path.endswith("/v1")
+app.middleware("http")(auth.authenticate)
 
 
 def _error(status: int, message: str, *, param: str | None = None, code: str | None = None) -> JSONResponse:
@@ -171,7 +137,7 @@ class _Response:
 @serve.ingress(app)
 class Ingress:
     def __init__(self, router: DeploymentHandle, model_name: str, keys: list[str] | None = None):
-        _API_KEYS[:] = [k.encode() for k in api_keys(keys)]
+        auth.set_keys(auth.api_keys(keys))
         self.router = router.options(stream=True)
         self.model_name = model_name
         self.created = int(time.time())
