@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.decoding import _pad_vocab
 from specdec.sampling import SamplingParams, make_generator
 from specdec.verify import Verdict, acceptance_probs, residual_distribution
 
@@ -56,12 +57,6 @@ def batched_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, -math.inf)
     return logits.softmax(-1)
-
-
-def _pad_vocab(probs: torch.Tensor, width: int) -> torch.Tensor:
-    """Zero-pad [..., v] to [..., width]: ids a model cannot emit have probability 0."""
-    extra = width - probs.shape[-1]
-    return torch.nn.functional.pad(probs, (0, extra)) if extra > 0 else probs
 
 
 def verify_batch(rows: list[VerifyRow], logits: torch.Tensor) -> list[Verdict]:
