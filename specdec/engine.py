@@ -7,6 +7,7 @@ its parts are local (``Engine.load``) or worker actors (the serving unit in ``ac
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from specdec.runner import load_model, load_tokenizer
 from specdec.sampling import SamplingParams
 from specdec.stats import SpeculationSummary
 
-__all__ = ["Completion", "Engine", "Event", "eos_token_ids", "load_draft", "load_target_step", "local_parts"]
+__all__ = ["Completion", "Engine", "Event", "PromptTooLong", "eos_token_ids", "load_draft", "load_target_step", "local_parts"]
 
 
 @dataclass
@@ -56,6 +57,10 @@ def eos_token_ids(tokenizer, model) -> frozenset[int]:
     if gen_eos is not None:
         ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
     return frozenset(ids)
+
+
+class PromptTooLong(ValueError):
+    """A prompt over the operator's token limit (refused before or after tokenizing)."""
 
 
 class Engine:
@@ -142,24 +147,53 @@ class Engine:
             raise ValueError(f"speculation mode {mode!r} is not available (no draft model configured)")
         return "off" if self.policy.kill_switch else mode
 
-    def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
-        """Prompt ids from plain text or from chat messages (the tokenizer's chat template)."""
+    def encode(self, prompt: str | None = None, messages: list[dict] | None = None, *,
+               max_tokens: int | None = None) -> list[int]:
+        """Prompt ids from plain text or from chat messages (the tokenizer's chat template).
+
+        ``max_tokens``: raise ``PromptTooLong`` past it, without tokenizing a text whose UTF-8
+        size alone proves it too long (no token spans more than ``max_token_bytes`` bytes).
+        """
+        if prompt is None and messages is None:
+            raise ValueError("either prompt or messages is required")
+        if max_tokens is not None:
+            texts = [prompt] if messages is None else [str(m.get("content", "")) for m in messages]
+            size = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+            if size > max_tokens * self.max_token_bytes:
+                raise PromptTooLong(f"the prompt ({size} bytes) is longer than this server's limit of "
+                                    f"{max_tokens} tokens")
         if messages is not None:
-            return list(
+            ids = list(
                 self.tokenizer.apply_chat_template(
                     messages, add_generation_prompt=True, tokenize=True, return_dict=True
                 )["input_ids"]
             )
-        if prompt is None:
-            raise ValueError("either prompt or messages is required")
-        return self.tokenizer(prompt)["input_ids"]
+        else:
+            ids = self.tokenizer(prompt)["input_ids"]
+        if max_tokens is not None and len(ids) > max_tokens:
+            raise PromptTooLong(f"the prompt has {len(ids)} tokens; this server's limit is {max_tokens}")
+        return ids
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """An upper bound on the UTF-8 bytes of text one token stands for: a text of ``n`` bytes
+        has at least ``n / max_token_bytes`` tokens. Times 4 when the tokenizer normalizes text
+        first (NFKC may shrink a 3-byte character to 1 byte)."""
+        tok = self.tokenizer
+        longest = max(len(tok.decode([i]).encode("utf-8", "surrogatepass")) for i in range(len(tok)))
+        backend = getattr(tok, "backend_tokenizer", None)
+        normalizes = backend is None or backend.normalizer is not None
+        return max(1, longest) * (4 if normalizes else 1)
 
     def request(self, prompt_ids: list[int], *, max_tokens: int, params: SamplingParams = SamplingParams(),
                 stop: list[str] | None = None, mode: str | None = None, k: int | None = None,
-                ignore_eos: bool = False, stop_token_ids: list[int] | None = None) -> GenerationRequest:
+                ignore_eos: bool = False, stop_token_ids: list[int] | None = None,
+                min_tokens: int = 0) -> GenerationRequest:
         """The one place a request is validated and defaulted."""
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if not 0 <= min_tokens <= max_tokens:
+            raise ValueError(f"min_tokens must lie in [0, max_tokens ({max_tokens})], got {min_tokens}")
         if not prompt_ids:
             raise ValueError("the prompt must have at least one token")
         limit = self.max_length
@@ -169,7 +203,7 @@ class Engine:
                 f"exceeds the model's context length ({limit})"
             )
         req = GenerationRequest(list(prompt_ids), max_tokens, params, self.resolve_mode(mode), k,
-                                tuple(stop or ()), ignore_eos, frozenset(stop_token_ids or ()))
+                                tuple(stop or ()), ignore_eos, frozenset(stop_token_ids or ()), min_tokens)
         self.loop.check_fits(req)
         return req
 

@@ -72,6 +72,7 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         # likely token is always kept.
         mass_before = sorted_probs.cumsum(-1) - sorted_probs
         drop_sorted = mass_before >= params.top_p
+        drop_sorted[..., 0] = False  # a top_p below float32's range compares as 0 >= 0
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, -math.inf)
     return logits.softmax(-1)

@@ -14,17 +14,27 @@ from dataclasses import dataclass, field
 class TextStream:
     tokenizer: object
     stop: list[str] = field(default_factory=list)
+    min_tokens: int = 0  # a stop string must end after the text of the first min_tokens - 1 tokens
     ids: list[int] = field(default_factory=list)
     emitted: str = ""  # text handed out so far
     stopped: bool = False
+    _floor: int | None = None  # that text's length, once known (None: no stop string may end yet)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _find_stop(self, text: str) -> int:
-        """Index of the earliest stop string in ``text``, or -1."""
-        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        """Index of the earliest stop string in ``text`` that ends past the floor, or -1."""
+        if self._floor is None:
+            return -1
+        hits = [i for i in (text.find(s, max(0, self._floor - len(s) + 1)) for s in self.stop) if i >= 0]
         return min(hits) if hits else -1
+
+    def _set_floor(self, ids: list[int]) -> None:
+        """As vLLM: stop strings are not looked for until min_tokens tokens exist."""
+        before = max(0, self.min_tokens - 1)
+        if self._floor is None and len(ids) >= before:
+            self._floor = len(self._decode(ids[:before])) if before else 0
 
     def add(self, tokens: list[int]) -> tuple[str, list[int]]:
         """Feed a round's tokens; return (text delta, the tokens kept).
@@ -34,6 +44,8 @@ class TextStream:
         """
         assert not self.stopped, "add() after a stop string"
         kept = list(tokens)
+        if self.stop:
+            self._set_floor(self.ids + kept)
         text = self._decode(self.ids + kept)
         cut = self._find_stop(text)
         if cut >= 0:

@@ -10,6 +10,7 @@ gives the same text alone and in a batch of 8.
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 
 import pytest
@@ -124,6 +125,35 @@ def test_verify_batch_equals_verify_on_each_row_alone():
         assert verdict == want
         accepted += verdict.num_accepted
     assert accepted > 5  # drafts were accepted along the way, not only rejected
+
+
+def test_min_tokens_suppression_is_verification_on_the_suppressed_p():
+    """A row's suppressed ids at its first positions: the verdict equals plain verification of
+    logits with those ids at -inf (so rejection sampling stays exact for that p), greedy or not."""
+    gen = torch.Generator().manual_seed(5)
+    vocab, k = 30, 4
+    logits = torch.randn(2 * (k + 1), vocab, generator=gen)
+    banned = tuple(int(t) for t in logits[: 2].argmax(-1).tolist()) + (99,)  # 99: outside the vocabulary
+    drafts = logits[:k].argmax(-1).tolist()
+    for params in (SamplingParams(), SamplingParams(1.0, seed=3)):
+        q = torch.softmax(torch.randn(k, vocab, generator=gen), -1) if not params.greedy else None
+        rows = [VerifyRow(drafts, params, 11, q, banned, 2), VerifyRow(drafts, params, 12, q)]
+        masked = logits.clone()
+        masked[:2, [b for b in banned if b < vocab]] = -math.inf
+        want = verify_batch([VerifyRow(drafts, params, 11, q), VerifyRow(drafts, params, 12, q)], masked)
+        got = verify_batch(rows, logits)
+        assert got[0] == want[0]
+        assert got[1] == verify_batch([rows[1]], logits[k + 1:])[0]  # the other row is untouched
+        assert not set(got[0].tokens[:2]) & set(banned)
+
+
+def test_a_vanishing_top_p_keeps_the_most_likely_token():
+    """top_p = 1e-300 is 0 in float32: without care every token is dropped and sampling fails."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    params = SamplingParams(1.0, top_p=1e-300)
+    want = torch.nn.functional.one_hot(logits.argmax(-1), 50).float()
+    assert torch.equal(batched_probs(logits, [params] * 3), want)
+    assert torch.equal(logits_to_probs(logits, params), want)
 
 
 # --- choosing k under load ------------------------------------------------------------------

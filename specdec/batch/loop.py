@@ -17,6 +17,7 @@ round, role), so it does not depend on what it is batched with.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -31,6 +32,7 @@ from specdec.batch.drafters import DraftRow, propose_ngram
 from specdec.batch.runner import BatchRow
 from specdec.batch.schedule import Candidate, StepCosts, allocate
 from specdec.batch.target import StepResult, TargetRow
+from specdec.drafters.base import EMPTY_PROPOSAL
 from specdec.decoding import (
     DRAFT, DRAFT_RETRY_ROUNDS, TARGET, DraftUnavailable, RoundStats, cut_round, draft_budget, round_seed,
 )
@@ -53,6 +55,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # EOS does not end the request (stop_token_ids still do)
     stop_token_ids: frozenset[int] = frozenset()  # tokens that end the request, kept in the output
+    min_tokens: int = 0  # no stop token or stop string ends the request before this many tokens
 
 
 @dataclass
@@ -145,7 +148,7 @@ class StepLoop:
         self.costs = StepCosts()
         self._waiting: deque[_Live] = deque()
         self._running: list[_Live] = []
-        self._release: list[str] = []  # keys the workers may forget (sent with the next call)
+        self._release: list[tuple[str, str]] = []  # (side, key) the workers may forget (sent with the next call)
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -167,7 +170,7 @@ class StepLoop:
         seed = req.params.seed if req.params.seed is not None else int(make_generator(None).initial_seed())
         live = _Live(req, Handle(uuid.uuid4().hex), seed)
         live.policy = self._new_policy(req)
-        live.text = TextStream(self.tokenizer, stop=list(req.stop))
+        live.text = TextStream(self.tokenizer, stop=list(req.stop), min_tokens=req.min_tokens)
         with self._cv:
             if self._closed:
                 raise RuntimeError("the unit is shutting down")
@@ -182,9 +185,23 @@ class StepLoop:
         return len(self._running) + len(self._waiting)
 
     def usage(self) -> dict:
-        """What the unit holds now (for tests and operators)."""
+        """What the unit holds now (for tests and operators). ``orphans``: sequences a local
+        model still caches that belong to no running request and are not due for release
+        (None when the models are in worker actors)."""
         return {"running": len(self._running), "waiting": len(self._waiting), "steps": self.steps,
-                "free_tokens": self.allocator.free_tokens, "capacity_tokens": self.allocator.capacity}
+                "free_tokens": self.allocator.free_tokens, "capacity_tokens": self.allocator.capacity,
+                "orphans": self._orphans()}
+
+    def _orphans(self) -> int | None:
+        runners = {"target": getattr(self.target, "runner", None),
+                   "draft": getattr(getattr(self.draft, "drafter", None), "runner", None)}
+        if runners["target"] is None:
+            return None
+        with self._cv:
+            owned = {lv.key for lv in self._running}
+            due = set(self._release)
+        return sum(1 for side, runner in runners.items() if runner is not None
+                   for key in runner.keys() if key not in owned and (side, key) not in due)
 
     def check_alive(self) -> None:
         """Raise if requests are waiting and the loop thread has died."""
@@ -364,7 +381,7 @@ class StepLoop:
             target_seed = round_seed(live.seed, index, TARGET)
             draft_seed = round_seed(live.seed, index, DRAFT)
             base = dict(key=live.key, context=live.ids, params=live.req.params, seed=target_seed,
-                        start=live.start, capacity=live.capacity)
+                        start=live.start, capacity=live.capacity, **self._suppressed(live))
             if p.mode == "ngram" and p.k:
                 rows.append(TargetRow(**base, source="given", proposal=by_key[live.key]))
             elif p.mode == "draft" and p.k:
@@ -376,6 +393,15 @@ class StepLoop:
             else:
                 rows.append(TargetRow(**base))
         return rows, draft_rows
+
+    def _stop_ids(self, req: GenerationRequest) -> frozenset[int]:
+        return req.stop_token_ids if req.ignore_eos else req.stop_token_ids | self.eos_token_ids
+
+    def _suppressed(self, live: _Live) -> dict:
+        """min_tokens: the stop tokens the target may not emit, and for how many of this round's
+        positions. It is part of the target's distribution p, so verification stays exact."""
+        left = live.req.min_tokens - len(live.out)
+        return dict(suppress=tuple(sorted(self._stop_ids(live.req))), suppress_for=left) if left > 0 else {}
 
     def _take_release(self, side: str) -> list[str]:
         keys = [k for s, k in self._release if s == side]
@@ -398,7 +424,7 @@ class StepLoop:
         live = plan.live
         if verdict is None:
             raise RuntimeError(f"no verdict for request {live.key}")
-        stops = live.req.stop_token_ids if live.req.ignore_eos else live.req.stop_token_ids | self.eos_token_ids
+        stops = self._stop_ids(live.req)
         tokens, finish = cut_round(verdict.tokens, live.req.max_tokens - len(live.out), stops)
         live.out.extend(tokens)
         index = len(live.rounds)
@@ -434,4 +460,4 @@ class StepLoop:
 
 
 def _plain(row: TargetRow) -> TargetRow:
-    return TargetRow(row.key, row.context, row.params, row.seed, row.start, row.capacity)
+    return dataclasses.replace(row, source="given", proposal=EMPTY_PROPOSAL, k=0, draft_seed=0)

@@ -100,6 +100,11 @@ class BatchRunner:
         """The first pool row of ``key``'s range."""
         return self._seqs[key].start
 
+    def keys(self) -> set[str]:
+        """The sequences this runner holds."""
+        with self._lock:
+            return set(self._seqs)
+
     def cached_ids(self, key: str) -> list[int]:
         seq = self._seqs.get(key)
         return list(seq.ids) if seq else []

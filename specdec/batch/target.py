@@ -39,6 +39,8 @@ class TargetRow:
     proposal: Proposal = EMPTY_PROPOSAL
     k: int = 0
     draft_seed: int = 0
+    suppress: tuple[int, ...] = ()  # min_tokens: ids the target may not emit ...
+    suppress_for: int = 0  # ... at this round's first positions
 
 
 @dataclass
@@ -83,7 +85,8 @@ class TargetStep:
             return result
         # 3. accept / reject over the flattened rows
         flat = torch.cat(logits[len(chunks):])
-        verify_rows = [VerifyRow(p.tokens, r.params, r.seed, p.probs) for r, p in zip(rows, proposals)]
+        verify_rows = [VerifyRow(p.tokens, r.params, r.seed, p.probs, r.suppress, r.suppress_for)
+                       for r, p in zip(rows, proposals)]
         verdicts = verify_batch(verify_rows, flat)
         # 4. roll back: each row keeps its context and accepted drafts (the last token is fed next step)
         for r, v in zip(rows, verdicts):

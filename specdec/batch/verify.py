@@ -25,12 +25,19 @@ from specdec.verify import Verdict, acceptance_probs, residual_distribution
 
 @dataclass(frozen=True)
 class VerifyRow:
-    """One row's drafts and how it samples. ``q``: [k, vocab] or None (point masses)."""
+    """One row's drafts and how it samples. ``q``: [k, vocab] or None (point masses).
+
+    ``suppress``: token ids whose target logits are -inf at the row's first ``suppress_for``
+    positions (``min_tokens``): a change of p itself, made before verification, so rejection
+    sampling stays exact for the suppressed p whatever q proposed.
+    """
 
     drafts: list[int]
     params: SamplingParams
     seed: int
     q: torch.Tensor | None = None
+    suppress: tuple[int, ...] = ()
+    suppress_for: int = 0
 
 
 def batched_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -54,6 +61,7 @@ def batched_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
         sorted_probs = sorted_logits.softmax(-1)
         mass_before = sorted_probs.cumsum(-1) - sorted_probs
         drop_sorted = (mass_before >= top_p[:, None]) & (top_p < 1.0)[:, None]
+        drop_sorted[:, 0] = False  # the most likely token stays (a tiny top_p is 0 in float32)
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, -math.inf)
     return logits.softmax(-1)
@@ -71,6 +79,7 @@ def verify_batch(rows: list[VerifyRow], logits: torch.Tensor) -> list[Verdict]:
     for n in sizes:
         starts.append(starts[-1] + n)
     verdicts: list[Verdict | None] = [None] * len(rows)
+    logits = _suppress(rows, logits, starts)
 
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
     if greedy:
@@ -89,6 +98,19 @@ def verify_batch(rows: list[VerifyRow], logits: torch.Tensor) -> list[Verdict]:
             at += sizes[i]
             verdicts[i] = _reject_sample(rows[i], p)
     return verdicts  # type: ignore[return-value]
+
+
+def _suppress(rows: list[VerifyRow], logits: torch.Tensor, starts: list[int]) -> torch.Tensor:
+    """``logits`` with each row's suppressed ids at -inf over its first ``suppress_for`` positions."""
+    vocab = logits.shape[-1]
+    masked = None
+    for i, row in enumerate(rows):
+        ids = [t for t in row.suppress if 0 <= t < vocab]
+        n = min(row.suppress_for, starts[i + 1] - starts[i])
+        if ids and n > 0 and len(ids) < vocab:  # never every token: p must stay a distribution
+            masked = logits.clone() if masked is None else masked
+            masked[starts[i]: starts[i] + n, ids] = -math.inf
+    return logits if masked is None else masked
 
 
 def _match(drafts: list[int], argmax: torch.Tensor) -> Verdict:
