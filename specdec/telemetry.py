@@ -1,6 +1,7 @@
 """One OpenTelemetry trace per request: the spans, their attributes, and where they go.
 
     request      the router, SERVER; a child of the caller's W3C ``traceparent`` if any
+                 (or, when incoming context is not trusted, a new root linked to it)
       prefill    round 0, the prompt (k = 0)
         verify   in the TargetWorker
       round      one per round: specdec.mode, k, drafted, accepted, bonus, emitted, draft_ms,
@@ -20,7 +21,19 @@ GenAI semantic-convention names where one exists (``gen_ai.request.model``,
 ``gen_ai.usage.output_tokens``, ...), ``specdec.*`` otherwise. Spans go through a
 ``BatchSpanProcessor`` to a JSON-lines file per process (``specdec.traces``), and to OTLP
 too when ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set (http/protobuf; grpc with
-``OTEL_EXPORTER_OTLP_PROTOCOL=grpc`` if that exporter is installed).
+``OTEL_EXPORTER_OTLP_PROTOCOL=grpc`` if that exporter is installed). The files rotate and are
+pruned (``SPECDEC_TRACE_MAX_FILE_BYTES``, ``SPECDEC_TRACE_MAX_FILES``,
+``SPECDEC_TRACE_MAX_TOTAL_BYTES``, or ``configure_tracing``'s keywords; see ``specdec.traces``).
+
+Trust. By default a request continues its caller's trace and keeps the caller's sampling
+decision: a ``traceparent`` with the sampled flag is traced whatever ``sample_ratio`` says.
+Where callers are untrusted (a public endpoint), anyone could make every request traced and
+fill the disk. ``configure_tracing(..., trust_incoming=False)`` makes each request span a new
+root trace, sampled by our own ratio, with a span *link* to the caller's span context so the
+two traces can still be joined. ``request_span(..., trust_incoming=)`` decides for one request
+(say, trusting authenticated callers only); ``SPECDEC_TRACE_TRUST_INCOMING=0`` distrusts every
+request whatever the code says. Inside our own trace nothing changes: the workers follow the
+router's decision through ``inject()`` / ``worker_span``.
 
 Integration (the router, the ingress and the workers each call a few functions):
 
@@ -83,6 +96,7 @@ from specdec.traces import (  # noqa: F401  (the attribute schema is part of thi
     EVENT_RESUME,
     POLICY_EVENTS,
     JsonLinesSpanExporter,
+    Retention,
     default_trace_dir,
     request_attributes,
     round_attributes,
@@ -118,8 +132,10 @@ class _ReservableIds(RandomIdGenerator):
 
 
 class _State:
-    def __init__(self, provider: TracerProvider, ids: _ReservableIds):
-        self.provider, self.ids = provider, ids
+    def __init__(self, provider: TracerProvider, ids: _ReservableIds, trust_incoming: bool):
+        self.provider, self.ids, self.trust_incoming = provider, ids, trust_incoming
+        # the operator's SPECDEC_TRACE_TRUST_INCOMING=0 holds whatever the code asks for
+        self.distrust_forced = _env_off("SPECDEC_TRACE_TRUST_INCOMING")
         self.tracer = provider.get_tracer(_TRACER_NAME)
 
 
@@ -135,22 +151,34 @@ def configure_tracing(
     sample_ratio: float = 1.0,
     enabled: bool = True,
     exporters: Sequence[SpanExporter] = (),
+    trust_incoming: bool = True,
+    max_file_bytes: int | None = None,
+    max_files: int | None = None,
+    max_total_bytes: int | None = None,
 ) -> TracerProvider | None:
     """Set up this process's tracer once; later calls return the first call's provider.
 
     Spans go to ``directory`` (default ``$SPECDEC_HOME/traces``) as JSON lines, to OTLP when
     ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set, and to any extra ``exporters``. Sampling is
     ``ParentBased(TraceIdRatioBased(sample_ratio))``: a request keeps its caller's decision,
-    and the workers keep the router's. Returns None when disabled (``enabled=False`` or
-    ``SPECDEC_TRACING=0``); every other function here then does nothing.
+    and the workers keep the router's. ``trust_incoming=False`` (or
+    ``SPECDEC_TRACE_TRUST_INCOMING=0``) stops a caller's ``traceparent`` from deciding: see
+    ``request_span``. ``max_file_bytes`` / ``max_files`` / ``max_total_bytes`` bound the span
+    files (None: ``SPECDEC_TRACE_*`` from the environment, else ``traces.Retention``'s
+    defaults). Returns None when disabled (``enabled=False`` or ``SPECDEC_TRACING=0``); every
+    other function here then does nothing.
     """
     global _STATE, _CONFIGURED
     with _LOCK:
         if _CONFIGURED:
             return _STATE.provider if _STATE else None
-        _CONFIGURED = True
-        if not enabled or os.environ.get("SPECDEC_TRACING", "1").strip().lower() in ("0", "false", "off", "no"):
+        if not enabled or _env_off("SPECDEC_TRACING"):
+            _CONFIGURED = True
             return None
+        retention = Retention.resolve(  # raises on bad explicit limits, before anything is set up
+            max_file_bytes=max_file_bytes, max_files=max_files, max_total_bytes=max_total_bytes
+        )
+        _CONFIGURED = True
         ids = _ReservableIds()
         provider = TracerProvider(
             sampler=ParentBased(TraceIdRatioBased(sample_ratio)),
@@ -160,14 +188,19 @@ def configure_tracing(
         )
         path = Path(directory) if directory is not None else default_trace_dir()
         provider.add_span_processor(
-            BatchSpanProcessor(JsonLinesSpanExporter(path, service_name), schedule_delay_millis=1000)
+            BatchSpanProcessor(JsonLinesSpanExporter(path, service_name, retention), schedule_delay_millis=1000)
         )
         if otlp := _otlp_exporter():
             provider.add_span_processor(BatchSpanProcessor(otlp))
         for exporter in exporters:
             provider.add_span_processor(BatchSpanProcessor(exporter))
-        _STATE = _State(provider, ids)
+        _STATE = _State(provider, ids, trust_incoming)
         return provider
+
+
+def _env_off(name: str) -> bool:
+    """Whether environment variable ``name`` says no (0 / false / off / no); unset is yes."""
+    return os.environ.get(name, "1").strip().lower() in ("0", "false", "off", "no")
 
 
 def _otlp_exporter() -> SpanExporter | None:
@@ -395,12 +428,16 @@ def request_span(
     *,
     carrier: Mapping[str, str] | None = None,
     attributes: Mapping[str, Any] | None = None,
+    trust_incoming: bool | None = None,
 ) -> Iterator[RequestTrace]:
-    """Open the request's root span (a child of ``carrier``'s ``traceparent`` if given) and
-    make it current for the block; an exception marks it failed."""
-    parent = extract(carrier)
+    """Open the request's root span and make it current for the block; an exception marks it
+    failed. With a trusted ``carrier`` (``trust_incoming``; None: as ``configure_tracing``
+    said; ``SPECDEC_TRACE_TRUST_INCOMING=0`` overrides both) the span is a child of its
+    ``traceparent`` and keeps its sampling decision; otherwise it starts a new trace sampled
+    by our own ratio, linked to the caller's span."""
+    parent, links = _request_parent(carrier, trust_incoming)
     with _tracer().start_as_current_span(
-        name, context=parent, kind=SpanKind.SERVER, attributes=dict(attributes or {})
+        name, context=parent, kind=SpanKind.SERVER, attributes=dict(attributes or {}), links=links
     ) as span:
         request = RequestTrace(span)
         token = _CURRENT.set(request)
@@ -409,6 +446,29 @@ def request_span(
         finally:
             _CURRENT.reset(token)
             request._emit_rounds()
+
+
+def _request_parent(
+    carrier: Mapping[str, str] | None, trust_incoming: bool | None
+) -> tuple[context_api.Context, list[trace.Link]]:
+    """The request span's parent context and links. An untrusted caller's context becomes a
+    link, not the parent: OpenTelemetry's way across a trust boundary, so that the caller's
+    sampled flag cannot force tracing (the root sampler decides) yet the traces still join."""
+    parent = extract(carrier)
+    if _trusts(trust_incoming):
+        return parent, []
+    caller = trace.get_current_span(parent).get_span_context()
+    return context_api.Context(), [trace.Link(caller)] if caller.is_valid else []
+
+
+def _trusts(trust_incoming: bool | None) -> bool:
+    """Whether to keep the caller's context: the operator's veto, then this request's say,
+    then the configuration's."""
+    if _STATE is None:  # not tracing: nothing will be recorded either way
+        return trust_incoming is not False
+    if _STATE.distrust_forced:
+        return False
+    return _STATE.trust_incoming if trust_incoming is None else trust_incoming
 
 
 def add_event(name: str, attributes: Mapping[str, Any] | None = None) -> None:

@@ -8,7 +8,26 @@ Every traced process (``specdec.telemetry``) appends one span per line to
 ``~/.cache/specdec``). Each line holds ``trace_id``, ``span_id``, ``parent_id`` (W3C hex),
 ``name``, ``start_ns`` / ``end_ns`` (epoch ns), ``attributes`` and ``events``. The spans of one
 request come from several processes (router, workers) and are grouped here by trace id. A
-line a killed process left half-written is skipped.
+line a killed process left half-written is skipped. A span that links to another trace (the
+caller's, when ``telemetry`` does not trust incoming sampling) also has ``links``: a list of
+``{trace_id, span_id, attributes}``.
+
+Retention. When a process's file would grow past ``max_file_bytes`` it is renamed to
+``spans-<service>-<pid>.<n>.jsonl`` (``n`` counting up: the highest is the newest) and a fresh
+file begins; rotation happens between lines, so no span is split. Each process keeps its
+``max_files`` newest rotated files. Across the whole directory, after each rotation and when a
+process opens its file, the oldest files of any process (by last write) are deleted until all
+span files together fit in ``max_total_bytes`` (between those moments the files being written
+grow: allow up to ``max_file_bytes`` more per live process). A writer whose file was deleted
+under it starts a new one. The limits come from ``configure_tracing(max_file_bytes=, max_files=,
+max_total_bytes=)``, else from the environment, else the defaults:
+
+    SPECDEC_TRACE_MAX_FILE_BYTES    64M   one file, before it rotates (K / M / G suffixes)
+    SPECDEC_TRACE_MAX_FILES         8     rotated files kept per process (0: none)
+    SPECDEC_TRACE_MAX_TOTAL_BYTES   1G    all span files in the directory (0: no such cap)
+
+The reader takes every ``spans-*.jsonl`` file, each process's rotated files oldest first and
+its current file last, so a request whose spans straddle a rotation still reads back whole.
 
     specdec traces list [--limit 20] [--since 1h]      recent requests
     specdec traces show TRACE_ID [--all] [--html F]    a waterfall of prefill and rounds
@@ -18,6 +37,7 @@ line a killed process left half-written is skipped.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import logging
 import os
@@ -108,38 +128,197 @@ def span_file_name(service: str, pid: int) -> str:
     return f"spans-{re.sub(r'[^A-Za-z0-9_.-]', '_', service)}-{pid}.jsonl"
 
 
+# spans-<service>-<pid>.jsonl (the current file) or spans-<service>-<pid>.<n>.jsonl (rotated);
+# the stem is everything up to the pid, which is what ties a rotated file to its process.
+_SPAN_FILE = re.compile(r"(?P<stem>spans-.+-\d+)(?:\.(?P<n>\d+))?\.jsonl")
+_SIZE = re.compile(r"\s*(\d+)\s*([kmg]?)i?b?\s*", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``1048576``, ``512K``, ``64M``, ``1G`` (binary multiples)."""
+    m = _SIZE.fullmatch(text)
+    if not m:
+        raise ValueError(f"bad size {text!r}: use e.g. 65536, 512K, 64M, 1G")
+    return int(m.group(1)) * {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}[m.group(2).lower()]
+
+
+@dataclass(frozen=True)
+class Retention:
+    """How much of the span files to keep: a server traces for weeks, and the files must not
+    fill its disk. ``max_total_bytes=0`` lifts the directory-wide cap."""
+
+    max_file_bytes: int = 64 * 2**20
+    max_files: int = 8
+    max_total_bytes: int = 2**30
+
+    def __post_init__(self):
+        if self.max_file_bytes <= 0 or self.max_files < 0 or self.max_total_bytes < 0:
+            raise ValueError(f"bad trace retention {self}: file bytes > 0, files and total bytes >= 0")
+
+    @classmethod
+    def resolve(
+        cls, *, max_file_bytes: int | None = None, max_files: int | None = None, max_total_bytes: int | None = None
+    ) -> Retention:
+        """The given limits; for those left None, the ``SPECDEC_TRACE_*`` variables, else the
+        defaults. A malformed variable is logged and ignored: it must not stop a server."""
+        given = {"max_file_bytes": max_file_bytes, "max_files": max_files, "max_total_bytes": max_total_bytes}
+        limits = {}
+        for key, value in given.items():
+            var = f"SPECDEC_TRACE_{key.upper()}"
+            if value is None and os.environ.get(var, "").strip():
+                try:
+                    value = parse_size(os.environ[var])
+                except ValueError:
+                    log.error("ignoring %s=%r: not a size; using the default", var, os.environ[var])
+            if value is not None:
+                limits[key] = value
+        return cls(**limits)
+
+
+def span_file_order(path: Path) -> tuple:
+    """Sort key: by process, its rotated files oldest first, its current file last."""
+    m = _SPAN_FILE.fullmatch(path.name)
+    if m is None:
+        return (path.name, float("inf"))
+    return (m.group("stem"), int(m.group("n")) if m.group("n") else float("inf"))
+
+
+def span_files(directory: str | Path) -> list[Path]:
+    """Every span file in ``directory``, current and rotated, in ``span_file_order``."""
+    return sorted(Path(directory).glob("spans-*.jsonl"), key=span_file_order)
+
+
 class JsonLinesSpanExporter(SpanExporter):
-    """One span per line, appended to ``spans-<service>-<pid>.jsonl`` in ``directory``.
+    """One span per line, appended to ``spans-<service>-<pid>.jsonl`` in ``directory``,
+    rotated and pruned as ``retention`` says (see the module docstring).
 
     One file per process, so processes never interleave partial lines; a batch is one write
-    (from the ``BatchSpanProcessor``'s thread, off the request path).
+    (from the ``BatchSpanProcessor``'s thread, off the request path) unless a rotation falls
+    inside it, and then the batch is split between two lines.
     """
 
-    def __init__(self, directory: str | Path, service_name: str):
+    def __init__(self, directory: str | Path, service_name: str, retention: Retention | None = None):
         self.directory = Path(directory)
         self.service_name = service_name
+        self.retention = retention or Retention.resolve()
         self._lock = threading.Lock()
         self._file = None
         self._pid = -1
+        self._size = 0  # bytes in the current file
 
     @property
     def path(self) -> Path:
         return self.directory / span_file_name(self.service_name, os.getpid())
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        lines = "".join(json.dumps(span_to_dict(s)) + "\n" for s in spans)
+        lines = [(json.dumps(span_to_dict(s)) + "\n").encode("utf-8") for s in spans]
         try:
             with self._lock:
-                if self._pid != os.getpid():  # first export, or a forked child: its own file
-                    self.directory.mkdir(parents=True, exist_ok=True)
-                    self._file = open(self.path, "a", encoding="utf-8")
-                    self._pid = os.getpid()
-                self._file.write(lines)
-                self._file.flush()
+                if self._pid != os.getpid() or not self._still_ours():
+                    self._open()  # first export, a forked child, or our file was deleted or moved
+                self._write(lines)
         except OSError:
             log.exception("could not write spans to %s", self.directory)
             return SpanExportResult.FAILURE
         return SpanExportResult.SUCCESS
+
+    def _still_ours(self) -> bool:
+        """Whether ``path`` is still the file we hold open (a directory-wide cap in another
+        process may have deleted it); refreshes ``_size`` from the file itself."""
+        if self._file is None:
+            return False
+        try:
+            held, named = os.fstat(self._file.fileno()), os.stat(self.path)
+        except FileNotFoundError:
+            return False
+        self._size = held.st_size
+        return (held.st_dev, held.st_ino) == (named.st_dev, named.st_ino)
+
+    def _open(self) -> None:
+        if self._file is not None and self._pid == os.getpid():
+            self._file.close()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "ab")  # noqa: SIM115  (held open across exports)
+        self._pid = os.getpid()
+        self._size = os.fstat(self._file.fileno()).st_size
+        self._enforce_total()
+
+    def _write(self, lines: list[bytes]) -> None:
+        """Append ``lines``, rotating between two lines whenever the next would take the file
+        past ``max_file_bytes``. A line longer than that on its own gets a file to itself."""
+        pending: list[bytes] = []
+        pending_bytes = 0
+        for line in lines:
+            filled = self._size + pending_bytes
+            if filled and filled + len(line) > self.retention.max_file_bytes:
+                self._append(pending)
+                pending, pending_bytes = [], 0
+                self._rotate()
+            pending.append(line)
+            pending_bytes += len(line)
+        self._append(pending)
+
+    def _append(self, lines: list[bytes]) -> None:
+        if lines:
+            data = b"".join(lines)
+            self._file.write(data)
+            self._file.flush()
+            self._size += len(data)
+
+    def _rotated(self) -> dict[int, Path]:
+        """This process's rotated files by number."""
+        stem = self.path.name[: -len(".jsonl")]
+        found = {}
+        for path in self.directory.glob(f"{glob.escape(stem)}.*.jsonl"):
+            m = _SPAN_FILE.fullmatch(path.name)
+            if m and m.group("stem") == stem and m.group("n"):
+                found[int(m.group("n"))] = path
+        return found
+
+    def _rotate(self) -> None:
+        """The current file becomes the newest rotated one; the oldest beyond ``max_files`` go."""
+        self._file.close()
+        self._file = None
+        rotated = self._rotated()
+        n = max(rotated, default=0) + 1
+        rotated[n] = self.path.with_name(f"{self.path.name[: -len('.jsonl')]}.{n}.jsonl")
+        try:
+            os.replace(self.path, rotated[n])
+        except FileNotFoundError:  # another process's directory cap deleted it: nothing to keep
+            del rotated[n]
+        for old in sorted(rotated)[: max(0, len(rotated) - self.retention.max_files)]:
+            rotated[old].unlink(missing_ok=True)
+        self._open()
+
+    def _enforce_total(self) -> None:
+        """Delete the oldest span files of any process (by last write; never our current
+        one) until the directory's span files fit in ``max_total_bytes``."""
+        cap = self.retention.max_total_bytes
+        if not cap:
+            return
+        files = []
+        for path in self.directory.glob("spans-*.jsonl"):
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                continue  # rotated or deleted by another process meanwhile
+            files.append((st.st_mtime_ns, st.st_size, path))
+        total = sum(size for _, size, _ in files)
+        if total <= cap:
+            return
+        freed, deleted = 0, 0
+        for _, size, path in sorted(files, key=lambda f: f[0]):
+            if total - freed <= cap:
+                break
+            if path == self.path:
+                continue
+            try:
+                path.unlink(missing_ok=True)
+            except OSError:
+                log.warning("could not delete old span file %s", path, exc_info=True)
+                continue
+            freed, deleted = freed + size, deleted + 1
+        log.info("deleted %d old span files (%d bytes): %s is capped at %d bytes", deleted, freed, self.directory, cap)
 
     def shutdown(self) -> None:
         with self._lock:
@@ -154,7 +333,7 @@ class JsonLinesSpanExporter(SpanExporter):
 def span_to_dict(span: ReadableSpan) -> dict:
     """The JSON-lines record of a finished span (ids in W3C hex, times in epoch ns)."""
     ctx, parent = span.context, span.parent
-    return {
+    record = {
         "trace_id": f"{ctx.trace_id:032x}",
         "span_id": f"{ctx.span_id:016x}",
         "parent_id": f"{parent.span_id:016x}" if parent is not None else None,
@@ -170,6 +349,16 @@ def span_to_dict(span: ReadableSpan) -> dict:
             {"name": e.name, "time_ns": e.timestamp, "attributes": dict(e.attributes or {})} for e in span.events
         ],
     }
+    if span.links:
+        record["links"] = [
+            {
+                "trace_id": f"{link.context.trace_id:032x}",
+                "span_id": f"{link.context.span_id:016x}",
+                "attributes": dict(link.attributes or {}),
+            }
+            for link in span.links
+        ]
+    return record
 
 
 @dataclass
@@ -184,6 +373,7 @@ class SpanRecord:
     events: list = field(default_factory=list)
     service: str | None = None
     status: str = "UNSET"
+    links: list = field(default_factory=list)
 
     @classmethod
     def from_dict(cls, d: dict) -> "SpanRecord":
@@ -191,6 +381,7 @@ class SpanRecord:
             trace_id=d["trace_id"], span_id=d["span_id"], parent_id=d.get("parent_id"), name=d["name"],
             start_ns=int(d["start_ns"]), end_ns=int(d["end_ns"]), attributes=d.get("attributes") or {},
             events=d.get("events") or [], service=d.get("service"), status=d.get("status", "UNSET"),
+            links=d.get("links") or [],
         )
 
     @property
@@ -199,19 +390,29 @@ class SpanRecord:
 
 
 def read_spans(directory: str | Path, *, since_ns: int | None = None) -> list[SpanRecord]:
-    """Every complete span line in ``directory``'s span files (ending at or after ``since_ns``)."""
+    """Every complete span line in ``directory``'s span files, rotated ones included, in
+    ``span_file_order`` (ending at or after ``since_ns``)."""
     spans = []
-    for path in sorted(Path(directory).glob("spans-*.jsonl")):
-        if since_ns is not None and path.stat().st_mtime_ns < since_ns:
-            continue  # nothing in a file last written before the window
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                try:
-                    span = SpanRecord.from_dict(json.loads(line))
-                except (ValueError, KeyError, TypeError):
-                    continue  # a torn last line (or foreign junk): skip it
-                if since_ns is None or span.end_ns >= since_ns:
-                    spans.append(span)
+    for path in span_files(directory):
+        try:
+            spans += _read_span_file(path, since_ns)
+        except FileNotFoundError:
+            log.debug("span file %s went (rotated or pruned) while reading", path)
+    return spans
+
+
+def _read_span_file(path: Path, since_ns: int | None) -> list[SpanRecord]:
+    if since_ns is not None and path.stat().st_mtime_ns < since_ns:
+        return []  # nothing in a file last written before the window
+    spans = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            try:
+                span = SpanRecord.from_dict(json.loads(line))
+            except (ValueError, KeyError, TypeError):
+                continue  # a torn last line (or foreign junk): skip it
+            if since_ns is None or span.end_ns >= since_ns:
+                spans.append(span)
     return spans
 
 

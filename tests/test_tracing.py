@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import os
 import re
 import sys
 import threading
@@ -19,6 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import specdec.policy
@@ -27,7 +30,13 @@ from specdec.cli import main as cli_main
 from specdec.decoding import DecodeRequest, decode
 from specdec.drafters.base import Proposal
 from specdec.policy import CostModel, ModeSwitch, PolicyConfig, SpeculationPolicy
-from specdec.traces import find_trace, load_traces
+from specdec.traces import (
+    JsonLinesSpanExporter,
+    Retention,
+    find_trace,
+    load_traces,
+    span_files,
+)
 from specdec.traces_html import render_html
 from specdec.verify import Verdict
 
@@ -113,6 +122,17 @@ def run_request(carrier=None):
     return stats
 
 
+TRACE_ENV = ("SPECDEC_TRACE_MAX_FILE_BYTES", "SPECDEC_TRACE_MAX_FILES", "SPECDEC_TRACE_MAX_TOTAL_BYTES",
+             "SPECDEC_TRACE_TRUST_INCOMING")
+
+
+@pytest.fixture(autouse=True)
+def _no_trace_settings_from_outside(monkeypatch):
+    """Retention and trust come from the tests, not from the shell that runs them."""
+    for var in TRACE_ENV:
+        monkeypatch.delenv(var, raising=False)
+
+
 @pytest.fixture
 def tracing(tmp_path, monkeypatch):
     """Tracing to a fresh directory and an in-memory exporter; reset afterwards."""
@@ -122,6 +142,23 @@ def tracing(tmp_path, monkeypatch):
     memory = InMemorySpanExporter()
     telemetry.configure_tracing("test-router", directory=tmp_path, exporters=[memory])
     yield memory
+    telemetry.shutdown()
+
+
+@pytest.fixture
+def configure(tmp_path, monkeypatch):
+    """``configure(**configure_tracing keywords)``: tracing to ``tmp_path`` and an in-memory
+    exporter (returned), configured as the test says; reset afterwards."""
+    for var in ("SPECDEC_TRACING", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        monkeypatch.delenv(var, raising=False)
+    telemetry.shutdown()
+
+    def configure(**kwargs):
+        memory = InMemorySpanExporter()
+        assert telemetry.configure_tracing("test-router", directory=tmp_path, exporters=[memory], **kwargs)
+        return memory
+
+    yield configure
     telemetry.shutdown()
 
 
@@ -255,6 +292,7 @@ def test_incoming_traceparent_is_the_parent(tracing):
     assert f"{request.context.trace_id:032x}" == trace_id
     assert request.parent.is_remote and f"{request.parent.span_id:016x}" == span_id
     assert all(f"{s.context.trace_id:032x}" == trace_id for s in spans)
+    assert not request.links  # trusted (the default): the caller is the parent, not a link
 
 
 def test_unsampled_caller_and_untraced_worker_calls_record_nothing(tracing):
@@ -280,6 +318,165 @@ def test_sample_ratio_zero_and_disabled(tmp_path, monkeypatch):
     assert sum(s.emitted for s in stats) == MAX_TOKENS
     telemetry.shutdown()
     assert not off.exists()
+
+
+CALLER_TRACE, CALLER_SPAN = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+SAMPLED_CALLER = {"traceparent": f"00-{CALLER_TRACE}-{CALLER_SPAN}-01"}
+
+
+def test_an_untrusted_caller_cannot_force_tracing(configure):
+    """Not trusting incoming context, a caller's sampled flag does not outvote ratio 0: no
+    request span, and no worker span either (they follow the router's decision)."""
+    memory = configure(sample_ratio=0.0, trust_incoming=False)
+    run_request(SAMPLED_CALLER)
+    assert finished(memory) == ()
+
+
+def test_an_untrusted_caller_gets_a_new_trace_linked_to_its_own(configure, tmp_path):
+    memory = configure(sample_ratio=1.0, trust_incoming=False)
+    stats = run_request(SAMPLED_CALLER)
+    spans = finished(memory)
+    (request,) = [s for s in spans if s.name == "request"]
+    assert request.parent is None and f"{request.context.trace_id:032x}" != CALLER_TRACE
+    (link,) = request.links
+    assert (f"{link.context.trace_id:032x}", f"{link.context.span_id:016x}") == (CALLER_TRACE, CALLER_SPAN)
+    # our own trace is whole: rounds under the request, workers under the rounds
+    assert {s.context.trace_id for s in spans} == {request.context.trace_id}
+    by_id = {s.context.span_id: s for s in spans}
+    assert len([s for s in spans if s.name == "verify"]) == len(stats)
+    for worker in (s for s in spans if s.name in ("draft", "verify")):
+        assert by_id[worker.parent.span_id].name in ("prefill", "round")
+    # and the link reaches the span files
+    (trace,) = load_traces(tmp_path)
+    assert trace.trace_id == f"{request.context.trace_id:032x}"
+    assert [(k["trace_id"], k["span_id"]) for k in trace.request.links] == [(CALLER_TRACE, CALLER_SPAN)]
+
+
+def test_trust_per_request_and_the_operators_veto(configure, monkeypatch):
+    """``request_span``'s own ``trust_incoming`` wins over the configuration, and
+    SPECDEC_TRACE_TRUST_INCOMING=0 over both; no carrier, no link."""
+
+    def three_requests():
+        with telemetry.request_span(carrier=SAMPLED_CALLER):
+            pass
+        with telemetry.request_span(carrier=SAMPLED_CALLER, trust_incoming=True):
+            pass
+        with telemetry.request_span():
+            pass
+        spans = sorted(finished(memory), key=lambda s: s.start_time)
+        memory.clear()
+        return [(f"{s.context.trace_id:032x}" == CALLER_TRACE, len(s.links)) for s in spans]
+
+    memory = configure(sample_ratio=1.0, trust_incoming=False)
+    assert three_requests() == [(False, 1), (True, 0), (False, 0)]
+    telemetry.shutdown()
+    monkeypatch.setenv("SPECDEC_TRACE_TRUST_INCOMING", "0")
+    memory = configure(sample_ratio=1.0)  # trusting, says the code
+    assert three_requests() == [(False, 1), (False, 1), (False, 0)]
+
+
+def write_spans(exporter, count: int, *, pad: int = 200) -> None:
+    """``count`` spans of one trace through ``exporter``, one export each; same-sized lines."""
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("test")
+    with tracer.start_as_current_span("root"):
+        for _ in range(count):
+            tracer.start_span("s", attributes={"pad": "x" * pad}).end()
+
+
+def lines_of(paths) -> list[dict]:
+    """Every line of ``paths``; each must be a whole JSON span."""
+    out = []
+    for path in paths:
+        text = path.read_text()
+        assert text.endswith("\n")
+        out += [json.loads(line) for line in text.splitlines()]
+    return out
+
+
+def test_span_files_rotate_under_the_size_and_count_caps(tmp_path):
+    exporter = JsonLinesSpanExporter(tmp_path, "svc", Retention(max_file_bytes=2048, max_files=3, max_total_bytes=0))
+    write_spans(exporter, 60)  # about 30 files' worth
+    exporter.shutdown()
+    files = span_files(tmp_path)
+    current = exporter.path
+    assert files[-1] == current and len(files) == 4  # three rotated, oldest first, then the current
+    numbers = [int(p.name.split(".")[-2]) for p in files[:-1]]
+    assert numbers == sorted(numbers) and numbers[0] > 1  # the oldest were deleted
+    assert all(p.stat().st_size <= 2048 for p in files)
+    spans = lines_of(files)
+    assert len({s["trace_id"] for s in spans}) == 1 and len(spans) < 60  # the last ones, whole
+
+
+def test_no_rotated_files_kept_and_an_oversized_span_kept_whole(tmp_path):
+    """``max_files=0`` keeps only the current file; a span longer than a whole file is not
+    cut or dropped: it gets a file to itself."""
+    none_kept = JsonLinesSpanExporter(tmp_path / "a", "svc", Retention(max_file_bytes=1024, max_files=0))
+    write_spans(none_kept, 10)
+    assert span_files(tmp_path / "a") == [none_kept.path] and none_kept.path.stat().st_size <= 1024
+    none_kept.shutdown()
+    one_kept = JsonLinesSpanExporter(tmp_path / "b", "svc", Retention(max_file_bytes=1024, max_files=1))
+    write_spans(one_kept, 1, pad=3000)  # the big span, then its (small) root
+    one_kept.shutdown()
+    rotated, current = span_files(tmp_path / "b")
+    (big,) = lines_of([rotated])
+    assert big["attributes"]["pad"] == "x" * 3000
+    assert [s["name"] for s in lines_of([current])] == ["root"]
+
+
+def test_a_trace_straddling_rotations_reads_back_whole(configure, tmp_path, monkeypatch):
+    """Limits from the environment; one request's spans (one batch) split over several files
+    between lines; ``load_traces`` puts them together again."""
+    monkeypatch.setenv("SPECDEC_TRACE_MAX_FILE_BYTES", "4K")
+    monkeypatch.setenv("SPECDEC_TRACE_MAX_FILES", "50")
+    memory = configure()
+    stats = run_request()
+    in_memory = finished(memory)
+    files = span_files(tmp_path)
+    assert len(files) > 2 and all(p.stat().st_size <= 4096 for p in files)
+    assert len(lines_of(files)) == len(in_memory)
+    (trace,) = load_traces(tmp_path)
+    assert len(trace.spans) == len(in_memory) and len(trace.rounds) == len(stats)
+    assert trace.accepted == sum(s.accepted for s in stats[1:])
+
+
+def test_the_directory_cap_deletes_the_oldest_files_of_any_process(tmp_path):
+    now = time.time()
+    foreign = {}
+    for i, name in enumerate(["spans-old-11.1.jsonl", "spans-old-11.jsonl", "spans-other-12.jsonl"]):
+        path = tmp_path / name
+        path.write_text('{"junk": 1}\n' * 100)  # 1200 bytes each, older first
+        os.utime(path, (now - 300 + i * 60, now - 300 + i * 60))
+        foreign[name] = path
+    exporter = JsonLinesSpanExporter(tmp_path, "svc", Retention(max_file_bytes=2048, max_files=8, max_total_bytes=5000))
+    write_spans(exporter, 7)  # 8 lines of ~520 bytes: two rotations, the cap enforced at each
+    exporter.shutdown()
+    gone = [name for name, path in foreign.items() if not path.exists()]
+    assert 0 < len(gone) < len(foreign) and gone == list(foreign)[: len(gone)]  # oldest first, only as needed
+    assert exporter.path.exists()
+    assert sum(p.stat().st_size for p in tmp_path.glob("spans-*.jsonl")) <= 5000 + 2048
+
+
+def test_a_span_file_deleted_under_the_writer_is_started_again(tmp_path):
+    exporter = JsonLinesSpanExporter(tmp_path, "svc", Retention(max_total_bytes=0))
+    write_spans(exporter, 2)
+    exporter.path.unlink()
+    write_spans(exporter, 3)
+    exporter.shutdown()
+    assert len(lines_of([exporter.path])) == 3 + 1  # the second root included
+
+
+def test_retention_limits_from_arguments_then_environment(monkeypatch, caplog):
+    monkeypatch.setenv("SPECDEC_TRACE_MAX_FILE_BYTES", "1K")
+    monkeypatch.setenv("SPECDEC_TRACE_MAX_FILES", "2")
+    monkeypatch.setenv("SPECDEC_TRACE_MAX_TOTAL_BYTES", "lots")
+    with caplog.at_level(logging.ERROR, logger="specdec.traces"):
+        limits = Retention.resolve(max_files=5)
+    assert limits == Retention(max_file_bytes=1024, max_files=5, max_total_bytes=Retention().max_total_bytes)
+    assert "SPECDEC_TRACE_MAX_TOTAL_BYTES" in caplog.text
+    with pytest.raises(ValueError):
+        Retention.resolve(max_file_bytes=0)
 
 
 def test_configure_is_idempotent(tracing, tmp_path):
