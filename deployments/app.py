@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 from ray.serve import Application
+from ray.serve.config import BackpressureConfig
 
-from deployments.config import AppArgs, UnitArgs, resolve_models
+from deployments.config import (
+    INGRESS_MAX_ONGOING, INGRESS_MAX_QUEUED, RETRY_AFTER_S, UNIT_MAX_QUEUED, AppArgs, UnitArgs, resolve_models,
+)
 from deployments.ingress import Ingress
 from deployments.router import SpecRouter
 
 
-INGRESS_MAX_ONGOING = 256
+
+
+def _admission(max_queued: int) -> dict:
+    """A bounded queue, and what a refused request hears: 503 with Retry-After."""
+    return {"max_queued_requests": max_queued,
+            "backpressure_config": BackpressureConfig(status_code=503, retry_after_s=RETRY_AFTER_S)}
 
 
 def unit_bundles(args: UnitArgs) -> list[dict]:
@@ -41,7 +49,7 @@ def build_unit(args: dict | UnitArgs, **options) -> Application:
         placement_group_strategy="STRICT_PACK",
         ray_actor_options={"num_cpus": bundles[0]["CPU"], "num_gpus": bundles[0].get("GPU", 0)},
         max_ongoing_requests=unit.max_concurrent_requests,
-        **options,
+        **{**_admission(UNIT_MAX_QUEUED), **options},
     ).bind(unit.model_dump())
 
 
@@ -63,5 +71,6 @@ def bind_app(args: dict, **router_options) -> Application:
     # The ingress only forwards: the units' own limits (max_concurrent_requests, their queues)
     # must apply, not Serve's default of 5 requests per replica.
     return Ingress.options(
-        ray_actor_options={"num_cpus": parsed.ingress_cpus}, max_ongoing_requests=INGRESS_MAX_ONGOING
-    ).bind(router, name, parsed.api_keys)
+        ray_actor_options={"num_cpus": parsed.ingress_cpus}, max_ongoing_requests=INGRESS_MAX_ONGOING,
+        **_admission(INGRESS_MAX_QUEUED),
+    ).bind(router, name, parsed.api_keys, parsed.limits.model_dump())

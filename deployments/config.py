@@ -66,6 +66,42 @@ def resolve_model_path(name: str | None) -> str | None:
     return str(paths[role])
 
 
+MIB = 1 << 20
+
+# The deployment options the builder (deployments.app) binds when serve_config.yaml's
+# ``deployments:`` entries set none; `specdec check-config` reads them from here.
+INGRESS_MAX_ONGOING = 256  # the ingress only forwards: the units' limits must apply, not Serve's 5
+INGRESS_MAX_QUEUED = 256  # at each proxy, past INGRESS_MAX_ONGOING; then 503
+UNIT_MAX_QUEUED = 64  # per caller (each Ingress replica), past the unit's running requests; then 503
+RETRY_AFTER_S = 1  # the Retry-After of both refusals
+
+
+class RequestLimits(_Strict):
+    """What one request may ask of the server, each checked before the work it bounds: the body
+    before it is parsed, the prompt's size before it is tokenized. A refusal is a 4xx naming
+    the field. The defaults suit a server shared by many clients; raise them for trusted ones."""
+
+    max_body_bytes: int = Field(
+        4 * MIB, ge=1024, description="Request bodies larger than this get 413 before they are read."
+    )
+    max_prompt_tokens: int | None = Field(
+        None, ge=1, description="Prompt tokens (after the chat template). None: the model's context "
+        "length less one. A prompt whose UTF-8 size alone proves it too long is refused untokenized."
+    )
+    max_messages: int = Field(256, ge=1, description="Chat messages in one request.")
+    max_stop_strings: int = Field(4, ge=0, description="Stop strings per request (OpenAI allows 4).")
+    max_stop_chars: int = Field(
+        256, ge=1, description="Characters in one stop string: each is searched for in every round's text."
+    )
+    default_max_tokens: int | None = Field(
+        2048, ge=1, description="max_tokens of a chat request that sets none (OpenAI: the rest of the "
+        "context): one such request cannot hold a slot for the whole context. None: the rest of the context."
+    )
+    max_seed: int = Field(
+        2**63 - 1, ge=0, le=2**63 - 1, description="A seed must lie in [-max_seed - 1, max_seed] (int64 by default)."
+    )
+
+
 class UnitArgs(_Strict):
     models: ModelConfig
     speculation: SpeculationConfig = SpeculationConfig()
@@ -107,6 +143,12 @@ class UnitArgs(_Strict):
     trace_sample_ratio: float = Field(
         1.0, ge=0, le=1, description="Share of requests traced (a caller's sampled traceparent wins)."
     )
+    trace_trust_incoming: bool = Field(
+        True, description="Whether a caller's traceparent decides sampling and parents the request span. "
+        "False (callers you do not control): each request starts its own trace, sampled at "
+        "trace_sample_ratio, with a link to the caller's span."
+    )
+    limits: RequestLimits = RequestLimits()
 
 
 class AppArgs(UnitArgs):

@@ -2,6 +2,9 @@
 
 
 import json
+import logging
+import math
+import os
 import time
 import uuid
 
@@ -13,13 +16,17 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deployments import auth
+from deployments import auth, limits, proxy
+from deployments.config import RequestLimits
 from deployments.protocol import ChatCompletionRequest, CompletionRequest, UnitRequest, error_body
 from specdec import telemetry
 
+log = logging.getLogger("ray.serve")
+
 app = FastAPI(title="specdec", description="Exact speculative decoding, OpenAI-style API")
 
-app.middleware("http")(auth.authenticate)
+app.add_middleware(limits.BodyLimit)
+app.middleware("http")(auth.authenticate)  # added last: outermost, so a caller without a key learns nothing
 
 
 def _error(status: int, message: str, *, param: str | None = None, code: str | None = None) -> JSONResponse:
@@ -32,7 +39,9 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "literal", "none"}
 
 @app.exception_handler(RequestValidationError)
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    first = exc.errors()[0]
+    # A union (e.g. content: str | list of text parts) reports one error per member; the deepest
+    # says most ("messages.0.content.0.type: Input should be 'text'").
+    first = max(exc.errors(), key=lambda e: len(e.get("loc", ())))
     # Union members show up in the location as type tags ("str", "list[str]"): not fields.
     loc = [str(p) for p in first.get("loc", ()) if p != "body" and str(p) not in _TYPE_TAGS and "[" not in str(p)]
     if first.get("type") == "json_invalid":
@@ -55,9 +64,10 @@ def _sse(obj: dict | str) -> str:
 class _Response:
     """Assembles OpenAI completion / chat completion objects from the router's events."""
 
-    def __init__(self, request_id: str, model: str, chat: bool, return_token_ids: bool, start: dict):
+    def __init__(self, request_id: str, model: str, chat: bool, return_token_ids: bool, start: dict,
+                 include_usage: bool = False):
         self.id, self.model, self.chat = request_id, model, chat
-        self.return_token_ids = return_token_ids
+        self.return_token_ids, self.include_usage = return_token_ids, include_usage
         self.created = int(time.time())
         self.text: list[str] = []
         self.token_ids: list[int] = []
@@ -117,27 +127,51 @@ class _Response:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
 
     async def sse(self, events):
+        """The stream's chunks; it always ends with ``[DONE]``, after an error object if the
+        unit failed (even if its replica died mid-stream)."""
         first = True
-        async for event in events:
-            self.add(event)
-            if event["type"] == "delta":
-                yield _sse(self._chunk(event["text"], event["token_ids"], None, first))
-                first = False
-            elif event["type"] == "error":
-                yield _sse(error_body(event["message"], type_="server_error"))
+        try:
+            async for event in events:
+                self.add(event)
+                if event["type"] == "delta":
+                    yield _sse(self._chunk(event["text"], event["token_ids"], None, first))
+                    first = False
+                elif event["type"] == "error":
+                    yield _sse(error_body(event["message"], type_="server_error"))
+        except Exception as exc:  # the router replica died or the call failed
+            log.warning("stream %s failed: %s", self.id, type(exc).__name__)
+            yield _sse(error_body(_unit_failed(exc), type_="server_error", code="unit_failed"))
         if self.end is not None:
             last = self._chunk("", [], self._finish())
-            last["usage"] = self._usage()
             last["speculation"] = self.end["speculation"]
             yield _sse(last)
+            if self.include_usage:  # OpenAI: one more chunk, no choices, the usage
+                usage = {"id": self.id, "object": last["object"], "created": self.created, "model": self.model,
+                         "choices": [], "usage": self._usage()}
+                yield _sse(usage)
         yield _sse("[DONE]")
+
+
+def _unit_failed(exc: BaseException) -> str:
+    return f"the unit serving this request failed ({type(exc).__name__}); the request can be retried"
+
+
+def _unavailable(exc: BaseException) -> JSONResponse:
+    response = _error(503, _unit_failed(exc), code="unit_failed")
+    response.headers["retry-after"] = "1"
+    return response
 
 
 @serve.deployment(name="Ingress")
 @serve.ingress(app)
 class Ingress:
-    def __init__(self, router: DeploymentHandle, model_name: str, keys: list[str] | None = None):
+    def __init__(self, router: DeploymentHandle, model_name: str, keys: list[str] | None = None,
+                 request_limits: dict | None = None):
         auth.set_keys(auth.api_keys(keys))
+        limits.set_limits(RequestLimits.model_validate(request_limits or {}))
+        if os.environ.get(proxy.CALLBACK_ENV) != proxy.CALLBACK:
+            log.warning("%s is not %s: clients can switch off the proxy's request timeout with "
+                        "x-request-timeout-seconds", proxy.CALLBACK_ENV, proxy.CALLBACK)
         self.router = router.options(stream=True)
         self.model_name = model_name
         self.created = int(time.time())
@@ -166,6 +200,8 @@ class Ingress:
             return _error(404, f"the model '{shown}' does not exist", param="model", code="model_not_found")
         if refused := body.refuse_unsupported():
             return _error(400, refused[1], param=refused[0], code="unsupported")
+        if broken := limits.check_request(body, limits.current()):
+            return _error(400, broken[1], param=broken[0], code="limit_exceeded")
         # Serve's request id (a client's x-request-id, or one the proxy made) is echoed in the
         # x-request-id response header by Serve itself; our object ids carry it too.
         serve_id = serve.context._get_serve_request_context().request_id or uuid.uuid4().hex
@@ -183,6 +219,7 @@ class Ingress:
             stop=list(body.stop or []),
             ignore_eos=body.ignore_eos,
             stop_token_ids=list(body.stop_token_ids or []),
+            min_tokens=body.min_tokens,
             mode=spec.mode if spec else None,
             k=spec.num_speculative_tokens if spec else None,
             # The trace context crosses the Ray hop explicitly: Serve's own span when Serve
@@ -196,20 +233,27 @@ class Ingress:
         except BackPressureError as exc:  # the unit's queue is full: say when to retry
             # Status and Retry-After as the SpecRouter's backpressure_config sets them.
             response = _error(exc.status_code, f"the server is at capacity ({exc.message})", code="overloaded")
-            response.headers["retry-after"] = str(int(exc.retry_after_s or 1))
+            response.headers["retry-after"] = str(math.ceil(exc.retry_after_s or 1))
             return response
+        except Exception as exc:  # the router replica died before answering: nothing was generated
+            log.warning("request %s failed: %s", request_id, type(exc).__name__)
+            return _unavailable(exc)
         if first["type"] == "error":
-            return _error(first["status"], first["message"], param=first.get("param"))
+            return _error(first["status"], first["message"], param=first.get("param"), code=first.get("code"))
         headers = {"x-specdec-mode": first["mode"]}
         if first.get("traceparent"):  # the request span: find it with `specdec traces show`
             headers["traceparent"] = first["traceparent"]
-        response = _Response(request_id, self.model_name, chat, body.return_token_ids, first)
+        response = _Response(request_id, self.model_name, chat, body.return_token_ids, first, body.include_usage)
         if body.stream:
             return StreamingResponse(
                 response.sse(events), media_type="text/event-stream", headers=headers
             )
-        async for event in events:
-            response.add(event)
+        try:
+            async for event in events:
+                response.add(event)
+        except Exception as exc:  # the router replica died mid-request: the client got nothing yet
+            log.warning("request %s failed: %s", request_id, type(exc).__name__)
+            return _unavailable(exc)
         if response.error:
             return _error(500, response.error["message"])
         return JSONResponse(response.final(), headers=headers)

@@ -6,7 +6,9 @@ misspelled ``num_replicaz`` disappears without a word; ``autoscaling_config`` is
 negative delay) passes the schema as a plain dict; and a custom autoscaling policy that does
 not import stops the whole parse with an ImportError. ``lint_config`` reports all of these,
 one line per problem, plus what our builder (``deployments.app``) would refuse or silently
-do differently. ``specdec check-config FILE...`` runs it.
+do differently, and for our app the admission rules: a full unit must be able to answer
+503/429 + Retry-After (finite queues; an Ingress that admits more than the units hold), and
+``http_options.request_timeout_s`` must be set. ``specdec check-config FILE...`` runs it.
 """
 
 from __future__ import annotations
@@ -23,8 +25,7 @@ from ray.serve.config import AutoscalingConfig, AutoscalingPolicy
 from ray.serve.schema import RayActorOptionsSchema, ServeDeploySchema
 
 from deployments.autoscaling import POLICY_PATH
-from deployments.config import AppArgs
-from deployments.ingress import Ingress
+from deployments.config import INGRESS_MAX_ONGOING, INGRESS_MAX_QUEUED, UNIT_MAX_QUEUED, AppArgs
 from specdec.policy import PolicyConfig
 
 # Dict-typed fields that Ray validates against a model later (or not at all).
@@ -150,37 +151,99 @@ def _lint_router_capacity(app: dict, dep: dict, where: str) -> list[str]:
     return problems
 
 
-def _replicas(dep: dict) -> int:
-    """The fewest replicas a deployment entry runs (its autoscaling minimum, at least 1)."""
+def _max_replicas(dep: dict) -> int:
+    """The most replicas a deployment entry runs: its autoscaling maximum, else num_replicas."""
     autoscaling = dep.get("autoscaling_config")
+    if dep.get("num_replicas") == "auto":  # Serve's default autoscaling, overridden key by key
+        default = AutoscalingConfig.default().max_replicas
+        return autoscaling.get("max_replicas", default) if isinstance(autoscaling, dict) else default
     if isinstance(autoscaling, dict):
-        return max(1, autoscaling.get("min_replicas", 1))
+        return autoscaling.get("max_replicas", AutoscalingConfig().max_replicas)
     n = dep.get("num_replicas", 1)
     return n if isinstance(n, int) else 1
 
 
-def _lint_ingress_limit(app: dict, where: str) -> list[str]:
-    """The ingress must let through at least as many requests as the units take."""
+def _lint_admission(app: dict, where: str) -> list[str]:
+    """Whether a full unit can answer 503/429 + Retry-After, and every queue is bounded.
+
+    SpecRouter's ``max_queued_requests`` is counted per caller (each Ingress replica's handle;
+    ray/serve/_private/router.py, ``wrap_request_assignment``), its ``max_ongoing_requests`` per
+    router replica across callers. So one Ingress replica can have at most
+    ``max_ongoing * max_replicas + max_queued`` requests held by the units; only its next one
+    gets BackPressureError (then 503/429 + Retry-After). An Ingress replica that admits no more
+    than that never reaches it: the excess waits at the proxy instead, in the Ingress's queue.
+    """
     try:
         args = AppArgs.model_validate(app.get("args") or {})
     except (ValidationError, ValueError):
         return []  # reported with the args
-    deps = {d.get("name"): d for d in app.get("deployments") or [] if isinstance(d, dict)}
-    ingress, router = deps.get("Ingress", {}), deps.get("SpecRouter", {})
-    per_ingress = ingress.get("max_ongoing_requests", Ingress.max_ongoing_requests)
-    try:
-        admitted = per_ingress * _replicas(ingress)
-        taken = router.get("max_ongoing_requests", args.max_concurrent_requests) * _replicas(router)
-        if admitted >= taken:
-            return []
-    except TypeError:
+    entries = app.get("deployments") or []
+    index = {d.get("name"): i for i, d in enumerate(entries) if isinstance(d, dict)}
+
+    def at(name: str) -> str:
+        return f"{where}[{index[name]}]" if name in index else f"{where} ({name}: no entry)"
+
+    ingress = entries[index["Ingress"]] if "Ingress" in index else {}
+    router = entries[index["SpecRouter"]] if "SpecRouter" in index else {}
+    ongoing = router.get("max_ongoing_requests", args.max_concurrent_requests)
+    replicas = _max_replicas(router)
+    queued = router.get("max_queued_requests", UNIT_MAX_QUEUED)
+    if "max_ongoing_requests" in ingress:
+        admitted, origin = ingress["max_ongoing_requests"], "set here"
+    else:
+        admitted, origin = INGRESS_MAX_ONGOING, "the builder's default, deployments/config.py"
+    ingress_queued = ingress.get("max_queued_requests", INGRESS_MAX_QUEUED)
+    if not all(isinstance(v, int) for v in (ongoing, replicas, queued, admitted, ingress_queued)):
         return []  # a value of the wrong type: the schema reports it
-    origin = "" if "max_ongoing_requests" in ingress else " (Ray's default)"
-    return [
-        f"{where}: Ingress max_ongoing_requests {per_ingress}{origin} lets {admitted} requests "
-        f"through to SpecRouter units that take {taken}: the rest wait at the proxy, unbounded, "
-        "where SpecRouter's max_queued_requests never applies; set Ingress max_ongoing_requests"
-    ]
+    problems = []
+    if queued == -1:
+        problems.append(
+            f"{at('SpecRouter')}.max_queued_requests: {'-1' if 'max_queued_requests' in router else 'not set'}"
+            f" (no limit): past the units' {ongoing * replicas} slots requests queue at each Ingress "
+            "replica without end and never get 503/429 + Retry-After; set SpecRouter "
+            f"max_queued_requests (e.g. {4 * ongoing}: four turns of a unit's slots)"
+        )
+    if ingress_queued == -1:
+        problems.append(
+            f"{at('Ingress')}.max_queued_requests: {'-1' if 'max_queued_requests' in ingress else 'not set'}"
+            " (no limit): once every Ingress replica holds max_ongoing_requests, requests wait at "
+            "each proxy without end; set Ingress max_queued_requests (and backpressure_config."
+            "retry_after_s) so the proxy answers 503/429 + Retry-After"
+        )
+    elif "backpressure_config" in ingress and (ingress["backpressure_config"] or {}).get("retry_after_s") is None:
+        problems.append(
+            f"{at('Ingress')}.backpressure_config.retry_after_s: not set: the proxy refuses past "
+            "Ingress max_queued_requests without a Retry-After header; set it (seconds)"
+        )
+    held = ongoing * replicas + queued
+    if queued != -1 and admitted <= held:
+        scale = f" x {replicas} replica" + ("s (max_replicas)" if replicas > 1 else "")
+        problems.append(
+            f"{at('Ingress')}.max_ongoing_requests: {admitted} ({origin}) <= the {held} requests "
+            f"SpecRouter holds per caller ({ongoing} running{scale} + {queued} queued): "
+            "backpressure is unreachable, a full unit never answers 503/429 + Retry-After and the "
+            f"excess waits at the proxy instead; set Ingress max_ongoing_requests above {held} "
+            "(or lower SpecRouter max_queued_requests)"
+        )
+    return problems
+
+
+def _lint_http_options(config: dict) -> list[str]:
+    """Serve's end-to-end request timeout (ray/serve/_private/proxy.py, ``send_request_to_replica``)."""
+    http = config.get("http_options")
+    timeout = http.get("request_timeout_s") if isinstance(http, dict) else None
+    if timeout is None:
+        return [(
+            "http_options.request_timeout_s: not set: Serve puts no limit on a request, a stuck "
+            "or endless stream holds its slots forever; set it (seconds, queueing and the whole "
+            "stream included)"
+        )]
+    if isinstance(timeout, (int, float)) and timeout <= 0:
+        return [(
+            f"http_options.request_timeout_s: {timeout}: Serve reads a negative value as no "
+            "timeout and 0 as an immediate 408; set it above 0"
+        )]
+    return []
 
 
 def lint_config(config) -> list[str]:
@@ -188,6 +251,9 @@ def lint_config(config) -> list[str]:
     if not isinstance(config, dict):
         return ["not a Serve config: the top level must be a mapping"]
     problems = unknown_keys(config, ServeDeploySchema)
+    apps = [a for a in config.get("applications") or [] if isinstance(a, dict)]
+    if any(str(a.get("import_path", "")).startswith("deployments.app:") for a in apps):
+        problems += _lint_http_options(config)
     try:
         ServeDeploySchema.model_validate(_without_policies(config))
     except ValidationError as exc:
@@ -216,7 +282,7 @@ def lint_config(config) -> list[str]:
                 except ValidationError as exc:
                     problems += [f"{where}.user_config.{e}" for e in _errors(exc)]
         if ours:
-            problems += _lint_ingress_limit(app, f"applications[{i}].deployments")
+            problems += _lint_admission(app, f"applications[{i}].deployments")
             try:
                 AppArgs.model_validate(app.get("args") or {})
             except ValidationError as exc:

@@ -16,6 +16,8 @@ the policy's summary); this module only exports them. Definitions:
 
 from __future__ import annotations
 
+import threading
+
 from ray.serve import metrics
 
 from specdec.decoding import RoundStats
@@ -47,10 +49,16 @@ class UnitMetrics:
         )
         self.tokens = metrics.Counter("specdec_output_tokens", "Output tokens.")
         self._active: dict[str, int] = {}
+        self._lock = threading.Lock()  # requests start and end in many threads at once
 
     def set_active(self, mode: str, delta: int) -> None:
-        self._active[mode] = self._active.get(mode, 0) + delta
-        self.active.set(self._active[mode], tags={"mode": mode})
+        with self._lock:
+            self._active[mode] = self._active.get(mode, 0) + delta
+            self.active.set(self._active[mode], tags={"mode": mode})
+
+    def active_requests(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._active)
 
     def round(self, r: RoundStats) -> None:
         if not r.drafted:

@@ -20,9 +20,17 @@ class SpeculationOptions(BaseModel):
 # applying them to both p and q at every position is not done yet.
 UNSUPPORTED = (
     "logprobs", "top_logprobs", "echo", "best_of", "suffix", "logit_bias", "presence_penalty",
-    "frequency_penalty", "repetition_penalty", "min_tokens", "min_p", "response_format", "tools",
+    "frequency_penalty", "repetition_penalty", "min_p", "response_format", "tools",
     "tool_choice", "functions", "function_call", "parallel_tool_calls", "guided_json", "guided_regex",
 )
+
+
+INT32_MAX, INT64_MAX = 2**31 - 1, 2**63 - 1
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")  # e.g. include_obfuscation: it does not change the answer
+    include_usage: StrictBool | None = None
 
 
 class _Common(BaseModel):
@@ -32,14 +40,17 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: StrictStr
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    min_tokens: int = Field(0, ge=0, le=INT32_MAX, description="EOS and stop_token_ids cannot end the answer "
+                            "before this many tokens, nor can a stop string (vLLM's).")
     temperature: float = Field(1.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)  # -1 or 0: no top-k filter (vLLM uses -1)
-    seed: int | None = None
+    top_k: int = Field(0, ge=-1, le=INT32_MAX)  # -1 or 0: no top-k filter (vLLM uses -1)
+    seed: int | None = Field(None, ge=-INT64_MAX - 1, le=INT64_MAX)  # the operator may narrow it (limits)
     stop: StrictStr | list[StrictStr] | None = None
     stream: StrictBool = False
+    stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1, description="One choice per request.")
     speculation: SpeculationOptions | None = None
     return_token_ids: StrictBool = False
@@ -57,11 +68,15 @@ class _Common(BaseModel):
 
     @field_validator("stop")
     @classmethod
-    def _stops(cls, v):
+    def _stops(cls, v):  # how many and how long: the operator's limits, checked at the ingress
         stops = [v] if isinstance(v, str) else (v or [])
-        if len(stops) > 4 or any(not s for s in stops):
-            raise ValueError("at most 4 non-empty stop strings")
+        if any(not s for s in stops):
+            raise ValueError("stop strings must not be empty")
         return stops
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
 
     def refuse_unsupported(self) -> tuple[str, str] | None:
         """(param, message) for an OpenAI option that would change the answer and we lack.
@@ -135,6 +150,7 @@ class UnitRequest:
     stop: list[str]
     ignore_eos: bool
     stop_token_ids: list[int]
+    min_tokens: int
     mode: str | None  # speculation.mode; None: the unit's default
     k: int | None  # speculation.num_speculative_tokens
     trace_context: dict = field(default_factory=dict)

@@ -29,7 +29,7 @@ from deployments.protocol import UnitRequest
 from deployments.workers import DraftWorker, RemoteDraft, RemoteTarget, TargetWorker
 from specdec import telemetry
 from specdec.drafters.model import check_same_vocabulary
-from specdec.engine import Engine, available_modes
+from specdec.engine import Engine, PromptTooLong, available_modes
 from specdec.policy import PolicyConfig
 from specdec.runner import load_tokenizer
 from specdec.sampling import SamplingParams
@@ -92,18 +92,20 @@ def build_engine(args: UnitArgs) -> tuple[Engine, dict]:
 class RequestError(ValueError):
     """A request the unit refuses; ``param`` names the offending field."""
 
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
-        self.param = param
+        self.param, self.code = param, code
 
 
 @serve.deployment(name="SpecRouter")
 class SpecRouter:
     def __init__(self, args: dict):
         self.args = UnitArgs.model_validate(args)
-        telemetry.configure_tracing("specdec-router", sample_ratio=self.args.trace_sample_ratio)
+        telemetry.configure_tracing("specdec-router", sample_ratio=self.args.trace_sample_ratio,
+                                    trust_incoming=self.args.trace_trust_incoming)
         self.model_name = self.args.models.name
         self.engine, self.actors = build_engine(self.args)
+        self.engine.max_token_bytes  # computed now (a vocabulary pass), not on the first request
         self._pool = ThreadPoolExecutor(max_workers=self.args.max_concurrent_requests)
         self.metrics = UnitMetrics()
         self.totals = UnitTotals()  # what the unit produced: its autoscaling capacity
@@ -122,6 +124,7 @@ class SpecRouter:
             "max_length": self.engine.max_length,
             "modes": ["off", "auto", *self.engine.drafters],
             "usage": self.engine.loop.usage(),
+            "active_requests": self.metrics.active_requests(),  # the gauge's values, by mode
             "colocation": self.args.colocation,
             "workers": {name: ray.get(actor.node_id.remote()) for name, actor in self.actors.items()},
             "worker_names": {name: worker_name(name) for name in self.actors},
@@ -134,20 +137,29 @@ class SpecRouter:
             mode = engine.resolve_mode(req.mode)
         except ValueError as exc:
             raise RequestError(str(exc), "speculation.mode") from exc
+        limits, limit = self.args.limits, engine.max_length
+        max_prompt = limits.max_prompt_tokens or (limit - 1 if limit else None)
+        field_ = "messages" if req.chat else "prompt"
         try:
-            ids = engine.encode(prompt=req.prompt, messages=req.messages)
+            ids = engine.encode(prompt=req.prompt, messages=req.messages, max_tokens=max_prompt)
+        except PromptTooLong as exc:
+            raise RequestError(str(exc), field_, "context_length_exceeded") from exc
         except Exception as exc:  # a chat template may reject a conversation
-            raise RequestError(f"could not encode the prompt: {exc}", "messages") from exc
-        limit = engine.max_length
+            raise RequestError(f"could not encode the prompt: {exc}", field_) from exc
         max_tokens = req.max_tokens
-        if max_tokens is None:  # as OpenAI: 16 for a completion, the rest of the context for chat
+        if max_tokens is None:  # OpenAI: 16 for a completion, the rest of the context for chat ...
             max_tokens = max(1, (limit or len(ids) + 16) - len(ids)) if req.chat else 16
+            if req.chat and limits.default_max_tokens:  # ... which the operator caps
+                max_tokens = min(max_tokens, limits.default_max_tokens)
         if limit is not None and len(ids) + max_tokens > limit:
             raise RequestError(
                 f"this model's context length is {limit} tokens; the prompt has {len(ids)} and "
                 f"max_tokens is {max_tokens}",
-                "max_tokens",
+                "max_tokens", "context_length_exceeded",
             )
+        if req.min_tokens > max_tokens:
+            raise RequestError(f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens})",
+                               "min_tokens")
         try:
             params = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed)
         except ValueError as exc:
@@ -160,6 +172,7 @@ class SpecRouter:
             k=req.k,  # the policy caps it at the operator's k_max
             ignore_eos=req.ignore_eos,
             stop_token_ids=req.stop_token_ids,
+            min_tokens=req.min_tokens,
         )
         try:
             engine.request(ids, **kwargs)  # validated once here: a refusal is the client's 400
@@ -173,7 +186,7 @@ class SpecRouter:
         try:
             ids, kwargs = self._prepare(req)
         except RequestError as exc:
-            emit({"type": "error", "status": 400, "message": str(exc), "param": exc.param})
+            emit({"type": "error", "status": 400, "message": str(exc), "param": exc.param, "code": exc.code})
             return
         mode = kwargs["mode"]
         params = kwargs["params"]
@@ -188,7 +201,8 @@ class SpecRouter:
             seed=params.seed,
             mode=mode,
         )
-        with telemetry.request_span(carrier=req.trace_context, attributes=attrs) as trace:
+        with telemetry.request_span(carrier=req.trace_context, attributes=attrs,
+                                    trust_incoming=self.args.trace_trust_incoming) as trace:
             emit(
                 {
                     "type": "start",

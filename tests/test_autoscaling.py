@@ -220,8 +220,6 @@ def autoscaling_config(pair) -> dict:
     router = next(d for d in app["deployments"] if d["name"] == "SpecRouter")
     router.pop("num_replicas")
     router["max_ongoing_requests"] = 4
-    ingress = next(d for d in app["deployments"] if d["name"] == "Ingress")
-    ingress["max_ongoing_requests"] = 64  # Ray's default (5) would hold the burst at the proxy
     router["autoscaling_config"] = {
         "min_replicas": 1, "max_replicas": 2, "upscale_delay_s": 0.5, "downscale_delay_s": 3,
         "metrics_interval_s": 0.5, "look_back_period_s": 2,

@@ -206,7 +206,7 @@ def test_client_streams_and_times_against_a_fake_server(fake_url):
     assert timing.speculation["acceptance_rate"] == 0.25 and timing.speculation["mode"] == "draft"
     assert FakeServer.bodies[0] == {
         "model": "fake-model", "prompt": "hello", "max_tokens": 4, "temperature": 0.0, "stream": True,
-        "speculation": {"mode": "draft", "num_speculative_tokens": 3}, "return_token_ids": True,
+        "stream_options": {"include_usage": True}, "speculation": {"mode": "draft", "num_speculative_tokens": 3}, "return_token_ids": True,
         "ignore_eos": True,
     }
     assert FakeServer.bodies[1]["speculation"] == {"mode": "auto"}  # adaptive: k left to the server

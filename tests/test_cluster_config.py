@@ -2,7 +2,6 @@
 config, `specdec check-config` passes every YAML in the repo and rejects what Ray would drop
 or only notice at deploy time."""
 
-import copy
 import re
 import subprocess
 import sys
@@ -106,8 +105,8 @@ def test_lint_catches_what_rays_schema_lets_through():
 def test_lint_catches_capacity_mismatches_and_wrong_names():
     problems = mutated(lambda app, auto: app["deployments"][0].update(max_ongoing_requests=64))
     assert any("max_concurrent_requests" in p for p in problems), problems
-    problems = mutated(lambda app, auto: app["deployments"][1].pop("max_ongoing_requests"))
-    assert len(problems) == 1 and "Ray's default" in problems[0] and "proxy" in problems[0]
+    problems = mutated(lambda app, auto: app["deployments"][1].update(max_ongoing_requests=16))
+    assert len(problems) == 1 and "unreachable" in problems[0] and "proxy" in problems[0], problems
     problems = mutated(lambda app, auto: app["deployments"][1].update(name="Ingres"))
     assert any("'Ingres'" in p for p in problems), problems
     problems = mutated(lambda app, auto: app["deployments"][0].update(num_replicas=2))
@@ -165,3 +164,88 @@ def test_the_image_installs_the_packages_and_the_pinned_ray():
     for pattern in packages:
         assert re.search(rf"^COPY .*\b{pattern.rstrip('*')}\b", dockerfile, re.M), pattern
     assert re.search(r"^RUN pip install .*\s\.\s", dockerfile, re.M)
+
+
+LOCAL_CONFIG = ROOT / "serve_config.yaml"
+
+
+def local_mutated(change) -> list[str]:
+    config = load(LOCAL_CONFIG)
+    deps = {d["name"]: d for d in config["applications"][0]["deployments"]}
+    change(config, deps["SpecRouter"], deps["Ingress"])
+    return lint_config(config)
+
+
+def test_backpressure_unreachable_when_the_ingress_admits_no_more_than_the_unit_holds():
+    # One unit: 16 running + 64 queued = 80 held. An Ingress that admits 64 (or 80) never
+    # sends the 81st to the unit, so the unit's 503 never fires.
+    for admitted in (64, 80):
+        problems = local_mutated(lambda c, router, ingress, n=admitted: ingress.update(max_ongoing_requests=n))
+        assert problems == [(
+            f"applications[0].deployments[1].max_ongoing_requests: {admitted} (set here) <= the 80 "
+            "requests SpecRouter holds per caller (16 running x 1 replica + 64 queued): backpressure "
+            "is unreachable, a full unit never answers 503/429 + Retry-After and the excess waits at "
+            "the proxy instead; set Ingress max_ongoing_requests above 80 (or lower SpecRouter "
+            "max_queued_requests)"
+        )], problems
+    assert local_mutated(lambda c, router, ingress: ingress.update(max_ongoing_requests=81)) == []
+    # The running share grows with the units' max_replicas (the queue is per caller: it does not).
+    problems = mutated(lambda app, auto: app["deployments"][1].update(max_ongoing_requests=160))
+    assert len(problems) == 1 and "16 running x 8 replicas (max_replicas) + 32 queued" in problems[0], problems
+    assert mutated(lambda app, auto: app["deployments"][1].update(max_ongoing_requests=161)) == []
+    problems = mutated(lambda app, auto: app["deployments"][0]["autoscaling_config"].update(max_replicas=32))
+    assert len(problems) == 1 and "above 544" in problems[0], problems
+
+
+def test_an_unset_ingress_limit_is_the_builders_not_serves():
+    # 256 from the builder (deployments/config.py), not Serve's 5: 256 > 80 passes, 256 <= 16 + 300 does not.
+    assert local_mutated(lambda c, router, ingress: ingress.pop("max_ongoing_requests")) == []
+    problems = local_mutated(lambda c, router, ingress: (ingress.pop("max_ongoing_requests"),
+                                                         router.update(max_queued_requests=300)))
+    assert len(problems) == 1 and "256 (the builder's default, deployments/config.py) <= the 316" in problems[0]
+
+
+def test_unbounded_queues_are_flagged():
+    problems = local_mutated(lambda c, router, ingress: router.update(max_queued_requests=-1))
+    assert len(problems) == 1 and "max_queued_requests: -1 (no limit)" in problems[0], problems
+    problems = local_mutated(lambda c, router, ingress: ingress.update(max_queued_requests=-1))
+    assert len(problems) == 1, problems
+    assert problems[0].startswith("applications[0].deployments[1].max_queued_requests: -1 (no limit)")
+    assert "set Ingress max_queued_requests" in problems[0]
+    problems = local_mutated(lambda c, router, ingress: ingress["backpressure_config"].pop("retry_after_s"))
+    assert problems == [(
+        "applications[0].deployments[1].backpressure_config.retry_after_s: not set: the proxy refuses "
+        "past Ingress max_queued_requests without a Retry-After header; set it (seconds)"
+    )]
+    # A config without SpecRouter / Ingress entries runs on the builder's defaults: both queues
+    # bounded, 503 + Retry-After past them.
+    assert local_mutated(lambda c, router, ingress: c["applications"][0].pop("deployments")) == []
+
+
+def test_a_request_timeout_is_required(tmp_path):
+    problems = local_mutated(lambda c, router, ingress: c["http_options"].pop("request_timeout_s"))
+    assert len(problems) == 1 and problems[0].startswith("http_options.request_timeout_s: not set"), problems
+    for off in (0, -1):
+        problems = local_mutated(lambda c, router, ingress, t=off: c["http_options"].update(request_timeout_s=t))
+        assert len(problems) == 1 and problems[0].startswith(f"http_options.request_timeout_s: {off}:"), problems
+    problems = local_mutated(lambda c, router, ingress: c.pop("http_options"))
+    assert len(problems) == 1 and "request_timeout_s: not set" in problems[0], problems
+    manifest = (CLUSTER / "rayservice.yaml").read_text().replace("request_timeout_s: 600", "# none")
+    (tmp_path / "rayservice.yaml").write_text(manifest)
+    problems = lint_file(tmp_path / "rayservice.yaml")
+    assert len(problems) == 1 and problems[0].startswith("spec.serveConfigV2: http_options.request_timeout_s: not set")
+
+
+def test_the_shipped_configs_can_refuse():
+    """The numbers the comments explain: a full unit answers 503/429 with Retry-After."""
+    for path, status, held, admitted in ((LOCAL_CONFIG, 503, 80, 256), (GPU_CONFIG, 429, 160, 512)):
+        config = load(path)
+        assert config["http_options"]["request_timeout_s"] > 0
+        deps = {d["name"]: d for d in config["applications"][0]["deployments"]}
+        router, ingress = deps["SpecRouter"], deps["Ingress"]
+        units = (router.get("autoscaling_config") or {}).get("max_replicas", router.get("num_replicas", 1))
+        ongoing = router.get("max_ongoing_requests", config["applications"][0]["args"]["max_concurrent_requests"])
+        assert ongoing * units + router["max_queued_requests"] == held < admitted == ingress["max_ongoing_requests"]
+        assert ingress["max_queued_requests"] > 0
+        for dep in (router, ingress):
+            assert dep["backpressure_config"]["status_code"] == status and dep["backpressure_config"]["retry_after_s"] > 0

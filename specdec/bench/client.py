@@ -63,6 +63,7 @@ class CompletionClient:
             "max_tokens": max_tokens,
             "temperature": prompt.temperature,
             "stream": True,
+            "stream_options": {"include_usage": True},  # the token count comes in a last chunk
             "speculation": speculation,
         }
         if prompt.temperature > 0:

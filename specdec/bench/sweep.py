@@ -88,7 +88,7 @@ def http_sender(url: str, model: str, mode: str, max_tokens: int, chat: bool):
 
     def send(prompt: str) -> Sample:
         body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                "ignore_eos": True, "speculation": {"mode": mode}}
+                "stream_options": {"include_usage": True}, "ignore_eos": True, "speculation": {"mode": mode}}
         path = "/v1/chat/completions" if chat else "/v1/completions"
         body.update({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt})
         t0 = time.perf_counter()
