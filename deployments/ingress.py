@@ -162,6 +162,31 @@ def _unavailable(exc: BaseException) -> JSONResponse:
     return response
 
 
+def _unit_request(body, inputs: dict, http: Request, request_id: str) -> UnitRequest:
+    """What the unit is asked for: the parsed body, defaulted once."""
+    spec = body.speculation
+    return UnitRequest(
+        request_id=request_id,
+        prompt=inputs.get("prompt"),
+        messages=inputs.get("messages"),
+        max_tokens=body.limit,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=max(0, body.top_k),
+        seed=body.seed,
+        stop=list(body.stop or []),
+        ignore_eos=body.ignore_eos,
+        stop_token_ids=list(body.stop_token_ids or []),
+        min_tokens=body.min_tokens,
+        mode=spec.mode if spec else None,
+        k=spec.num_speculative_tokens if spec else None,
+        # The trace context crosses the Ray hop explicitly: Serve's own span when Serve
+        # tracing is on (it already has the caller's traceparent as its parent), else the
+        # caller's traceparent header.
+        trace_context=telemetry.inject() or telemetry.carrier_from_headers(http.headers),
+    )
+
+
 @serve.deployment(name="Ingress")
 @serve.ingress(app)
 class Ingress:
@@ -206,27 +231,7 @@ class Ingress:
         # x-request-id response header by Serve itself; our object ids carry it too.
         serve_id = serve.context._get_serve_request_context().request_id or uuid.uuid4().hex
         request_id = ("chatcmpl-" if chat else "cmpl-") + serve_id
-        spec = body.speculation
-        req = UnitRequest(
-            request_id=request_id,
-            prompt=inputs.get("prompt"),
-            messages=inputs.get("messages"),
-            max_tokens=body.limit,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            top_k=max(0, body.top_k),
-            seed=body.seed,
-            stop=list(body.stop or []),
-            ignore_eos=body.ignore_eos,
-            stop_token_ids=list(body.stop_token_ids or []),
-            min_tokens=body.min_tokens,
-            mode=spec.mode if spec else None,
-            k=spec.num_speculative_tokens if spec else None,
-            # The trace context crosses the Ray hop explicitly: Serve's own span when Serve
-            # tracing is on (it already has the caller's traceparent as its parent), else the
-            # caller's traceparent header.
-            trace_context=telemetry.inject() or telemetry.carrier_from_headers(http.headers),
-        )
+        req = _unit_request(body, inputs, http, request_id)
         events = self.router.generate.remote(req)
         try:
             first = await events.__anext__()

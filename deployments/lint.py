@@ -163,6 +163,32 @@ def _max_replicas(dep: dict) -> int:
     return n if isinstance(n, int) else 1
 
 
+def _unbounded_queues(at, router: dict, ingress: dict, *, slots: int, ongoing: int, queued: int,
+                      ingress_queued: int) -> list[str]:
+    """SpecRouter's and the Ingress's queues must be bounded, and a refusal must say when to retry."""
+    problems = []
+    if queued == -1:
+        problems.append(
+            f"{at('SpecRouter')}.max_queued_requests: {'-1' if 'max_queued_requests' in router else 'not set'}"
+            f" (no limit): past the units' {slots} slots requests queue at each Ingress "
+            "replica without end and never get 503/429 + Retry-After; set SpecRouter "
+            f"max_queued_requests (e.g. {4 * ongoing}: four turns of a unit's slots)"
+        )
+    if ingress_queued == -1:
+        problems.append(
+            f"{at('Ingress')}.max_queued_requests: {'-1' if 'max_queued_requests' in ingress else 'not set'}"
+            " (no limit): once every Ingress replica holds max_ongoing_requests, requests wait at "
+            "each proxy without end; set Ingress max_queued_requests (and backpressure_config."
+            "retry_after_s) so the proxy answers 503/429 + Retry-After"
+        )
+    elif "backpressure_config" in ingress and (ingress["backpressure_config"] or {}).get("retry_after_s") is None:
+        problems.append(
+            f"{at('Ingress')}.backpressure_config.retry_after_s: not set: the proxy refuses past "
+            "Ingress max_queued_requests without a Retry-After header; set it (seconds)"
+        )
+    return problems
+
+
 def _lint_admission(app: dict, where: str) -> list[str]:
     """Whether a full unit can answer 503/429 + Retry-After, and every queue is bounded.
 
@@ -195,26 +221,8 @@ def _lint_admission(app: dict, where: str) -> list[str]:
     ingress_queued = ingress.get("max_queued_requests", INGRESS_MAX_QUEUED)
     if not all(isinstance(v, int) for v in (ongoing, replicas, queued, admitted, ingress_queued)):
         return []  # a value of the wrong type: the schema reports it
-    problems = []
-    if queued == -1:
-        problems.append(
-            f"{at('SpecRouter')}.max_queued_requests: {'-1' if 'max_queued_requests' in router else 'not set'}"
-            f" (no limit): past the units' {ongoing * replicas} slots requests queue at each Ingress "
-            "replica without end and never get 503/429 + Retry-After; set SpecRouter "
-            f"max_queued_requests (e.g. {4 * ongoing}: four turns of a unit's slots)"
-        )
-    if ingress_queued == -1:
-        problems.append(
-            f"{at('Ingress')}.max_queued_requests: {'-1' if 'max_queued_requests' in ingress else 'not set'}"
-            " (no limit): once every Ingress replica holds max_ongoing_requests, requests wait at "
-            "each proxy without end; set Ingress max_queued_requests (and backpressure_config."
-            "retry_after_s) so the proxy answers 503/429 + Retry-After"
-        )
-    elif "backpressure_config" in ingress and (ingress["backpressure_config"] or {}).get("retry_after_s") is None:
-        problems.append(
-            f"{at('Ingress')}.backpressure_config.retry_after_s: not set: the proxy refuses past "
-            "Ingress max_queued_requests without a Retry-After header; set it (seconds)"
-        )
+    problems = _unbounded_queues(at, router, ingress, slots=ongoing * replicas, ongoing=ongoing,
+                                 queued=queued, ingress_queued=ingress_queued)
     held = ongoing * replicas + queued
     if queued != -1 and admitted <= held:
         scale = f" x {replicas} replica" + ("s (max_replicas)" if replicas > 1 else "")

@@ -73,14 +73,14 @@ class UnitMetrics:
             if i < r.accepted:
                 self.pos_accepted.inc(1, tags={"position": str(i)})
 
-    def request(self, *, tokens: int, ttft_s: float, total_s: float, policy: dict) -> None:
+    def request(self, *, tokens: int, ttft_s: float, total_s: float, controller: dict) -> None:
         self.tokens.inc(tokens)
         self.ttft.observe(ttft_s)
         if tokens > 1:
             self.tpot.observe((total_s - ttft_s) / (tokens - 1))
         if total_s > 0:
             self.tps.observe(tokens / total_s)
-        if policy.get("fallbacks"):
-            self.fallbacks.inc(policy["fallbacks"])
-        if policy.get("probes"):
-            self.probes.inc(policy["probes"])
+        if controller.get("fallbacks"):  # the speculation controller's summary
+            self.fallbacks.inc(controller["fallbacks"])
+        if controller.get("probes"):
+            self.probes.inc(controller["probes"])

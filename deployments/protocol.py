@@ -8,10 +8,12 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_validator
 
+from specdec.config import Mode
+
 
 class SpeculationOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    mode: Literal["auto", "draft", "ngram", "early_exit", "off"] | None = None
+    mode: Mode | None = None
     num_speculative_tokens: int | None = Field(None, ge=1, le=64)
 
 

@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import ray
 import torch
@@ -89,6 +90,16 @@ def build_engine(args: UnitArgs) -> tuple[Engine, dict]:
     return engine, actors
 
 
+@dataclass
+class _Done:
+    """What a request's rounds came to."""
+
+    rounds: list = field(default_factory=list)
+    produced: int = 0
+    finish: str | None = None
+    controller: dict = field(default_factory=dict)  # the speculation controller's summary
+
+
 class RequestError(ValueError):
     """A request the unit refuses; ``param`` names the offending field."""
 
@@ -113,8 +124,8 @@ class SpecRouter:
 
     def reconfigure(self, user_config: dict) -> None:
         """Operator flags (kill switch, default mode, k_max, fallback thresholds), live."""
-        self.engine.policy = PolicyConfig.model_validate(user_config or {})
-        log.info("policy now %s", self.engine.policy)
+        self.engine.policy_config = PolicyConfig.model_validate(user_config or {})
+        log.info("policy config now %s", self.engine.policy_config)
 
     def info(self) -> dict:
         """What this unit is and where its parts run (node ids), for operators and tests."""
@@ -128,7 +139,7 @@ class SpecRouter:
             "colocation": self.args.colocation,
             "workers": {name: ray.get(actor.node_id.remote()) for name, actor in self.actors.items()},
             "worker_names": {name: worker_name(name) for name in self.actors},
-            "policy": self.engine.policy.model_dump(),
+            "policy": self.engine.policy_config.model_dump(),
         }
 
     def _prepare(self, req: UnitRequest) -> tuple[list[int], dict]:
@@ -188,67 +199,55 @@ class SpecRouter:
         except RequestError as exc:
             emit({"type": "error", "status": 400, "message": str(exc), "param": exc.param, "code": exc.code})
             return
-        mode = kwargs["mode"]
-        params = kwargs["params"]
+        mode, params = kwargs["mode"], kwargs["params"]
         attrs = telemetry.request_attributes(
-            operation="chat" if req.chat else "text_completion",
-            model=self.model_name,
-            request_id=kwargs["request_id"],
-            max_tokens=kwargs["max_tokens"],
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k,
-            seed=params.seed,
-            mode=mode,
+            operation="chat" if req.chat else "text_completion", model=self.model_name,
+            request_id=kwargs["request_id"], max_tokens=kwargs["max_tokens"], temperature=params.temperature,
+            top_p=params.top_p, top_k=params.top_k, seed=params.seed, mode=mode,
         )
         with telemetry.request_span(carrier=req.trace_context, attributes=attrs,
                                     trust_incoming=self.args.trace_trust_incoming) as trace:
-            emit(
-                {
-                    "type": "start",
-                    "prompt_tokens": len(ids),
-                    "mode": mode,
-                    "traceparent": telemetry.inject(trace.span).get("traceparent"),
-                }
-            )
-            rounds, finish, produced, policy = [], None, 0, {}
-            start, ttft = time.perf_counter(), 0.0
-            self.metrics.set_active(mode, +1)
-            stream = self.engine.stream(ids, **kwargs)
-            # One step serves many requests: each round's draft / verify spans come from its timings.
-            traced = trace.rounds(stream, phases=True)
-            try:
-                for event in traced:
-                    if not rounds:
-                        ttft = time.perf_counter() - start
-                    rounds.append(event.stats)
-                    self.metrics.round(event.stats)
-                    self.totals.observe(event.stats)
-                    produced += len(event.token_ids)
-                    finish = event.finish_reason
-                    policy = event.policy or policy
-                    emit({"type": "delta", "text": event.text, "token_ids": event.token_ids})
-                    if cancelled.is_set():
-                        finish = "cancelled"
-                        break
-            finally:
-                traced.close()
-                stream.close()
-                self.metrics.set_active(mode, -1)
-            total = time.perf_counter() - start
-            self.metrics.request(tokens=produced, ttft_s=ttft, total_s=total, policy=policy)
-            summary = SpeculationSummary.from_rounds(mode, rounds)
-            trace.finish(mode=summary.mode, finish_reason=finish, input_tokens=len(ids), output_tokens=produced)
-            emit(
-                {
-                    "type": "end",
-                    "finish_reason": finish,
-                    "prompt_tokens": len(ids),
-                    "completion_tokens": produced,
-                    "speculation": {**summary.to_dict(), **policy},
-                    "trace_id": trace.span.get_span_context().trace_id.to_bytes(16, "big").hex(),
-                }
-            )
+            emit({"type": "start", "prompt_tokens": len(ids), "mode": mode,
+                  "traceparent": telemetry.inject(trace.span).get("traceparent")})
+            done = self._rounds(trace, ids, kwargs, emit, cancelled)
+            summary = SpeculationSummary.from_rounds(mode, done.rounds)
+            trace.finish(mode=summary.mode, finish_reason=done.finish, input_tokens=len(ids),
+                         output_tokens=done.produced)
+            emit({
+                "type": "end", "finish_reason": done.finish, "prompt_tokens": len(ids),
+                "completion_tokens": done.produced, "speculation": {**summary.to_dict(), **done.controller},
+                "trace_id": trace.span.get_span_context().trace_id.to_bytes(16, "big").hex(),
+            })
+
+    def _rounds(self, trace, ids: list[int], kwargs: dict, emit, cancelled: threading.Event) -> "_Done":
+        """Stream the request's rounds as 'delta' events, counting them into the unit's metrics."""
+        mode, done = kwargs["mode"], _Done()
+        start, ttft = time.perf_counter(), 0.0
+        self.metrics.set_active(mode, +1)
+        stream = self.engine.stream(ids, **kwargs)
+        # One step serves many requests: each round's draft / verify spans come from its timings.
+        traced = trace.rounds(stream, phases=True)
+        try:
+            for event in traced:
+                if not done.rounds:
+                    ttft = time.perf_counter() - start
+                done.rounds.append(event.stats)
+                self.metrics.round(event.stats)
+                self.totals.observe(event.stats)
+                done.produced += len(event.token_ids)
+                done.finish = event.finish_reason
+                done.controller = event.policy_summary or done.controller
+                emit({"type": "delta", "text": event.text, "token_ids": event.token_ids})
+                if cancelled.is_set():
+                    done.finish = "cancelled"
+                    break
+        finally:
+            traced.close()
+            stream.close()
+            self.metrics.set_active(mode, -1)
+        self.metrics.request(tokens=done.produced, ttft_s=ttft, total_s=time.perf_counter() - start,
+                             controller=done.controller)
+        return done
 
     async def generate(self, req: UnitRequest):
         """Stream the request's events (dicts) to the ingress."""

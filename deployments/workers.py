@@ -25,7 +25,7 @@ from specdec.batch.runner import BatchRow
 from specdec.batch.target import StepResult, TargetRow
 from specdec.config import ModelConfig, SpeculationConfig
 from specdec.decoding import DraftUnavailable
-from specdec.engine import load_draft, load_target_step
+from specdec.engine import load_draft_step, load_target_step
 from specdec.runner import load_tokenizer
 
 log = logging.getLogger("ray.serve")
@@ -68,7 +68,7 @@ class DraftWorker:
     def __init__(self, models: ModelConfig, capacity_tokens: int, trace_sample_ratio: float = 1.0,
                  torch_threads: int | None = None):
         _setup_process("specdec-draft", trace_sample_ratio, torch_threads)
-        self.draft = load_draft(models, capacity_tokens)
+        self.draft = load_draft_step(models, capacity_tokens)
 
     def ready(self) -> bool:
         return True

@@ -51,7 +51,7 @@ def generate_table(max_tokens: int = 128) -> None:
 
 def bad_draft(out: str = "/tmp/bad_draft") -> None:
     from specdec.demo import demo_paths
-    from specdec.demo.draft_model import load_draft, save_draft
+    from specdec.models.draft import load_draft, save_draft
 
     model = load_draft(demo_paths()["draft"])
     torch.manual_seed(0)

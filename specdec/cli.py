@@ -7,6 +7,8 @@ import json
 import logging
 import sys
 
+from specdec.config import MODES
+from specdec.plugins import register_commands
 from specdec.sampling import SamplingParams
 
 
@@ -64,7 +66,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "ttft_s": result.ttft_s,
             "total_s": result.total_s,
             "tokens_per_s": result.tokens_per_s,
-            "policy": result.policy,
+            "policy": result.policy_summary,
             "rounds": [vars(r) for r in result.rounds],
         }
         print(json.dumps(out, indent=2))
@@ -102,21 +104,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_traces(args: argparse.Namespace) -> int:
-    from specdec.traces import run_from_args
+    from specdec.tracing.cli import run_from_args
 
     return run_from_args(args)
-
-
-def cmd_check_config(args: argparse.Namespace) -> int:
-    from deployments.lint import lint_file  # imports Ray: only here, never at import time
-
-    bad = 0
-    for path in args.files:
-        problems = lint_file(path)
-        bad += bool(problems)
-        for problem in problems:
-            print(f"{path}: {problem}")
-    return 1 if bad else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -128,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--target", help="target model path or id (default: the demo target)")
     gen.add_argument("--draft", help="draft model path or id (default: the demo draft)")
-    gen.add_argument("--mode", default="auto", choices=["auto", "draft", "ngram", "early_exit", "off"])
+    gen.add_argument("--mode", default="auto", choices=MODES)
     gen.add_argument("--k", type=int, default=None, help="fixed draft tokens per round (default: adaptive)")
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -163,17 +153,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_sweep_arguments(sweep)
     sweep.set_defaults(func=cmd_sweep)
 
-    from specdec.traces import add_arguments as add_traces_arguments
+    from specdec.tracing.cli import add_arguments as add_traces_arguments
 
     traces = sub.add_parser("traces", help="read request traces back: list, show, summary")
     add_traces_arguments(traces)
     traces.set_defaults(func=cmd_traces)
 
-    check = sub.add_parser(
-        "check-config", help="lint Serve configs, RayService manifests, cluster launcher YAML"
-    )
-    check.add_argument("files", nargs="+", metavar="FILE")
-    check.set_defaults(func=cmd_check_config)
+    register_commands(sub)  # check-config, from the Serve layer
     return parser
 
 

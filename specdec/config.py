@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-Mode = Literal["auto", "draft", "ngram", "early_exit", "off"]
+Mode = Literal["auto", "draft", "ngram", "early_exit", "off"]  # what a request or a config may ask for
+MODES: tuple[str, ...] = get_args(Mode)
 DType = Literal["float32", "bfloat16", "float16"]
 
 

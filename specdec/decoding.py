@@ -175,6 +175,38 @@ class DecodeRequest:
     seq_id: str = "seq"
 
 
+def _check(target: Target, request: DecodeRequest) -> None:
+    if request.max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {request.max_tokens}")
+    if not request.prompt_ids:
+        raise ValueError("the prompt must have at least one token")
+    limit = target.max_length
+    if limit is not None and len(request.prompt_ids) + request.max_tokens > limit:
+        raise ValueError(
+            f"prompt ({len(request.prompt_ids)} tokens) + max_tokens ({request.max_tokens}) "
+            f"exceeds the model's context length ({limit})"
+        )
+
+
+def _draft(drafter, seq_id: str, ids: list[int], k: int, params: SamplingParams, seed: int):
+    """1. The drafter's proposal of ``k`` tokens, or none (and why) if it failed."""
+    if not k:
+        return EMPTY_PROPOSAL, None
+    try:
+        return drafter.propose(seq_id, ids, k, params, seed), None
+    except Exception as exc:  # a draft failure never fails the request
+        return EMPTY_PROPOSAL, f"{type(exc).__name__}: {exc}"
+
+
+def _verify(target: Target, seq_id: str, ids: list[int], proposal: Proposal, params: SamplingParams,
+            seed: int, draft_error: str | None):
+    """2-4. The target's verdict on ``proposal``; a plain step if the draft never arrived."""
+    try:
+        return target.verify(seq_id, ids, proposal, params, seed), draft_error
+    except DraftUnavailable as exc:  # the draft's result never arrived
+        return target.verify(seq_id, ids, EMPTY_PROPOSAL, params, seed), f"{type(exc).__name__}: {exc}"
+
+
 def decode(
     target: Target,
     drafter: Drafter | None,
@@ -187,16 +219,7 @@ def decode(
     ``drafter=None`` (or ``k=0``) is plain decoding. The last step has ``finish_reason`` set.
     Never drafts past ``max_tokens``: a round near the end drafts fewer tokens.
     """
-    if request.max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {request.max_tokens}")
-    if not request.prompt_ids:
-        raise ValueError("the prompt must have at least one token")
-    limit = target.max_length
-    if limit is not None and len(request.prompt_ids) + request.max_tokens > limit:
-        raise ValueError(
-            f"prompt ({len(request.prompt_ids)} tokens) + max_tokens ({request.max_tokens}) "
-            f"exceeds the model's context length ({limit})"
-        )
+    _check(target, request)
     choose_k = k if callable(k) else (lambda _rounds, k=k: k)
     params, seq_id = request.params, request.seq_id
     seed = params.seed if params.seed is not None else int(make_generator(None).initial_seed())
@@ -214,43 +237,22 @@ def decode(
                 kk = 0  # the drafter failed recently: plain steps until the retry
             started_at = time.time()
             t0 = time.perf_counter()
-            proposal, draft_error = EMPTY_PROPOSAL, None
-            if kk:
-                try:
-                    proposal = drafter.propose(seq_id, ids, kk, params, round_seed(seed, index, DRAFT))
-                except Exception as exc:  # a draft failure never fails the request
-                    draft_error = f"{type(exc).__name__}: {exc}"
+            proposal, draft_error = _draft(drafter, seq_id, ids, kk, params, round_seed(seed, index, DRAFT))
             t1 = time.perf_counter()
             # 2-4. score k + 1 positions in one target pass, accept / reject, roll back
-            target_seed = round_seed(seed, index, TARGET)
-            try:
-                verdict = target.verify(seq_id, ids, proposal, params, target_seed)
-            except DraftUnavailable as exc:  # the draft's result never arrived
-                draft_error = f"{type(exc).__name__}: {exc}"
-                proposal = EMPTY_PROPOSAL
-                verdict = target.verify(seq_id, ids, proposal, params, target_seed)
+            verdict, draft_error = _verify(target, seq_id, ids, proposal, params,
+                                           round_seed(seed, index, TARGET), draft_error)
             t2 = time.perf_counter()
             if draft_error:
                 log.warning("request %s: drafter failed (%s); plain decoding for now", seq_id, draft_error)
                 draft_retry_at = index + DRAFT_RETRY_ROUNDS
-            if verdict.num_drafted:
-                drafter.observe(seq_id, verdict.num_drafted, verdict.num_accepted)
             tokens, finish = cut_round(verdict.tokens, remaining, request.eos_token_ids)
             produced += len(tokens)
             ids.extend(tokens)
             mode = "prefill" if index == 0 else ("off" if kk == 0 or draft_error else drafter.name)
-            stats = RoundStats(
-                index=index,
-                mode=mode,
-                k=kk,
-                drafted=verdict.num_drafted,
-                accepted=verdict.num_accepted,
-                emitted=len(tokens),
-                draft_s=t1 - t0,
-                verify_s=t2 - t1,
-                started_at=started_at,
-                draft_error=draft_error,
-            )
+            stats = RoundStats(index=index, mode=mode, k=kk, drafted=verdict.num_drafted,
+                               accepted=verdict.num_accepted, emitted=len(tokens), draft_s=t1 - t0,
+                               verify_s=t2 - t1, started_at=started_at, draft_error=draft_error)
             rounds.append(stats)
             yield Step(tokens=tokens, stats=stats, finish_reason=finish)
             if finish:

@@ -28,7 +28,7 @@ from specdec.runner import load_model, load_tokenizer
 from specdec.sampling import SamplingParams
 from specdec.stats import SpeculationSummary
 
-__all__ = ["Completion", "Engine", "Event", "PromptTooLong", "eos_token_ids", "load_draft", "load_target_step", "local_parts"]
+__all__ = ["Completion", "Engine", "Event", "PromptTooLong", "eos_token_ids", "load_draft_step", "load_target_step", "local_parts"]
 
 
 @dataclass
@@ -39,7 +39,7 @@ class Completion:
     prompt_tokens: int
     speculation: SpeculationSummary
     rounds: list[RoundStats] = field(default_factory=list)
-    policy: dict = field(default_factory=dict)
+    policy_summary: dict = field(default_factory=dict)  # the speculation controller's
     ttft_s: float = 0.0
     total_s: float = 0.0
 
@@ -71,12 +71,12 @@ class Engine:
     """
 
     def __init__(self, tokenizer, loop: StepLoop, *, speculation: SpeculationConfig | None = None,
-                 policy: PolicyConfig | None = None):
+                 policy_config: PolicyConfig | None = None):
         self.tokenizer = tokenizer
         self.loop = loop
         self.speculation = speculation or SpeculationConfig()
-        self.policy = policy or PolicyConfig()  # replaced whole, live, by operators
-        loop.policy_config = lambda: self.policy
+        self.policy_config = policy_config or PolicyConfig()  # the operator's flags: replaced whole, live
+        loop.policy_config = lambda: self.policy_config
 
     @classmethod
     def load(cls, models: ModelConfig, speculation: SpeculationConfig | None = None, *,
@@ -142,10 +142,10 @@ class Engine:
 
     def resolve_mode(self, mode: str | None) -> str:
         """The mode a request runs in: its own, else the default; the kill switch wins."""
-        mode = mode or self.policy.default_mode or self.speculation.mode
+        mode = mode or self.policy_config.default_mode or self.speculation.mode
         if mode not in ("auto", "off") and mode not in self.drafters:
             raise ValueError(f"speculation mode {mode!r} is not available (no draft model configured)")
-        return "off" if self.policy.kill_switch else mode
+        return "off" if self.policy_config.kill_switch else mode
 
     def encode(self, prompt: str | None = None, messages: list[dict] | None = None, *,
                max_tokens: int | None = None) -> list[int]:
@@ -224,7 +224,7 @@ class Engine:
         start = time.perf_counter()
         ttft = 0.0
         texts, ids, rounds = [], [], []
-        finish, policy = "length", {}
+        finish, policy_summary = "length", {}
         for event in self.stream(prompt_ids, **kwargs):
             if not rounds:
                 ttft = time.perf_counter() - start
@@ -232,7 +232,7 @@ class Engine:
             ids.extend(event.token_ids)
             rounds.append(event.stats)
             finish = event.finish_reason or finish
-            policy = event.policy or policy
+            policy_summary = event.policy_summary or policy_summary
         return Completion(
             text="".join(texts),
             token_ids=ids,
@@ -240,7 +240,7 @@ class Engine:
             prompt_tokens=len(prompt_ids),
             speculation=SpeculationSummary.from_rounds(mode, rounds),
             rounds=rounds,
-            policy=policy,
+            policy_summary=policy_summary,
             ttft_s=ttft,
             total_s=time.perf_counter() - start,
         )
@@ -254,7 +254,7 @@ def local_parts(models: ModelConfig, speculation: SpeculationConfig, tokenizer,
     draft = None
     if models.draft:
         check_same_vocabulary(tokenizer, load_tokenizer(models.draft))
-        draft = load_draft(models, target.runner.capacity)
+        draft = load_draft_step(models, target.runner.capacity)
     return target, draft, available_modes(models), eos
 
 
@@ -280,7 +280,7 @@ def load_target_step(models: ModelConfig, speculation: SpeculationConfig, tokeni
     return TargetStep(runner, early_exit), eos_token_ids(tokenizer, target_model)
 
 
-def load_draft(models: ModelConfig, capacity_tokens: int) -> LocalDraft:
+def load_draft_step(models: ModelConfig, capacity_tokens: int) -> LocalDraft:
     """The draft model on a pool of the target's size (the step loop lays out both alike)."""
     draft_model = load_model(models.draft, models.draft_dtype, models.device)
     return LocalDraft(ModelBatchDrafter(BatchRunner(draft_model, capacity_tokens=capacity_tokens)))

@@ -22,17 +22,25 @@ import threading
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from specdec import telemetry
+from specdec.config import Mode
 from specdec.decoding import RoundStats
 
 
 def expected_tokens(a: float, k: int) -> float:
-    """E[tokens per round] = 1 + a + ... + a^k."""
-    if a >= 1.0:
+    """E[tokens per round] = 1 + a + ... + a^k = (1 - a^(k+1)) / (1 - a); k + 1 at a = 1.
+
+        >>> expected_tokens(0.5, 2)
+        1.75
+    """
+    if not 0.0 <= a <= 1.0:
+        raise ValueError(f"acceptance must be in [0, 1], got {a}")
+    if k < 0:
+        raise ValueError(f"k must be >= 0, got {k}")
+    if a > 1.0 - 1e-12:
         return float(k + 1)
     return (1.0 - a ** (k + 1)) / (1.0 - a)
 
@@ -53,7 +61,7 @@ class PolicyConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     kill_switch: bool = Field(False, description="All requests decode plainly.")
-    default_mode: Literal["auto", "draft", "ngram", "early_exit", "off"] | None = Field(
+    default_mode: Mode | None = Field(
         None, description="Mode for requests that name none (None: the app's speculation.mode)."
     )
     k_max: int = Field(8, ge=1, le=32, description="Largest k a round may use.")
@@ -137,9 +145,6 @@ class ModeSwitch:
 
     def propose(self, seq_id, context, k, params, seed):
         return self.drafters[self.active].propose(seq_id, context, k, params, seed)
-
-    def observe(self, seq_id, proposed, accepted):
-        self.drafters[self.active].observe(seq_id, proposed, accepted)
 
     def release(self, seq_id):
         for d in self.drafters.values():

@@ -18,12 +18,12 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from specdec.models.draft import load_draft
+from specdec.models.files import DRAFT_MARKER
+
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-# A project-built draft (reduced output vocabulary) carries this marker and its own loader.
-SPECDEC_DRAFT_MARKER = "specdec_draft.json"
 
 
 def resolve_device(device: str = "auto") -> str:
@@ -35,9 +35,8 @@ def resolve_device(device: str = "auto") -> str:
 def load_model(name_or_path: str, dtype: str = "float32", device: str = "cpu") -> torch.nn.Module:
     """Load a causal LM from a local path or a hub id, in eval mode, on ``device``."""
     torch_dtype = DTYPES[dtype]
-    if (Path(name_or_path) / SPECDEC_DRAFT_MARKER).exists():
-        from specdec.demo.draft_model import load_draft
-
+    # A project-built draft (reduced output vocabulary) carries this marker and its own loader.
+    if (Path(name_or_path) / DRAFT_MARKER).exists():
         model = load_draft(name_or_path, dtype=torch_dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype)
@@ -108,10 +107,6 @@ class ModelRunner:
         else:
             self._seqs.move_to_end(seq_id)
         return seq
-
-    def cached_len(self, seq_id: str) -> int:
-        seq = self._seqs.get(seq_id)
-        return len(seq.ids) if seq else 0
 
     def rollback(self, seq_id: str, length: int) -> None:
         """Crop the sequence's cache to its first ``length`` tokens (rejected drafts go)."""

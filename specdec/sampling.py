@@ -77,8 +77,3 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         logits = logits.masked_fill(drop, -math.inf)
     return logits.softmax(-1)
 
-
-def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """Draw one token id from ``probs`` [vocab]."""
-    assert probs.dim() == 1, probs.shape
-    return int(torch.multinomial(probs, 1, generator=generator))

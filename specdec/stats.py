@@ -10,10 +10,14 @@ Definitions (over the rounds after prefill):
 
 from __future__ import annotations
 
+import math
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
-from specdec.decoding import RoundStats
+if TYPE_CHECKING:  # annotations only: the trace CLI uses percentile without loading torch
+    from specdec.decoding import RoundStats
 
 
 @dataclass(frozen=True)
@@ -52,3 +56,19 @@ class SpeculationSummary:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def percentile(values: Sequence[float | None], q: float) -> float | None:
+    """The ``q``-th percentile (0-100), linear between closest ranks; None and NaN are skipped,
+    and no values give None.
+
+        >>> percentile([4.0, 1.0, 3.0, 2.0], 50)
+        2.5
+    """
+    xs = sorted(v for v in values if v is not None and not math.isnan(v))
+    if not xs:
+        return None
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)

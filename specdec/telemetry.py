@@ -19,11 +19,11 @@ and the tree joins up. ``decode()`` needs no hook. The spans are built when the 
 
 GenAI semantic-convention names where one exists (``gen_ai.request.model``,
 ``gen_ai.usage.output_tokens``, ...), ``specdec.*`` otherwise. Spans go through a
-``BatchSpanProcessor`` to a JSON-lines file per process (``specdec.traces``), and to OTLP
+``BatchSpanProcessor`` to a JSON-lines file per process (``specdec.tracing.format``), and to OTLP
 too when ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set (http/protobuf; grpc with
 ``OTEL_EXPORTER_OTLP_PROTOCOL=grpc`` if that exporter is installed). The files rotate and are
 pruned (``SPECDEC_TRACE_MAX_FILE_BYTES``, ``SPECDEC_TRACE_MAX_FILES``,
-``SPECDEC_TRACE_MAX_TOTAL_BYTES``, or ``configure_tracing``'s keywords; see ``specdec.traces``).
+``SPECDEC_TRACE_MAX_TOTAL_BYTES``, or ``configure_tracing``'s keywords; see ``specdec.tracing.format``).
 
 Trust. By default a request continues its caller's trace and keeps the caller's sampling
 decision: a ``traceparent`` with the sampled flag is traced whatever ``sample_ratio`` says.
@@ -89,7 +89,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from specdec.decoding import RoundStats
 from specdec.stats import SpeculationSummary
-from specdec.traces import (  # noqa: F401  (the attribute schema is part of this API)
+from specdec.tracing.format import (  # noqa: F401  (the attribute schema is part of this API)
     EVENT_FALLBACK,
     EVENT_MODE_SWITCH,
     EVENT_PROBE,
@@ -164,7 +164,7 @@ def configure_tracing(
     and the workers keep the router's. ``trust_incoming=False`` (or
     ``SPECDEC_TRACE_TRUST_INCOMING=0``) stops a caller's ``traceparent`` from deciding: see
     ``request_span``. ``max_file_bytes`` / ``max_files`` / ``max_total_bytes`` bound the span
-    files (None: ``SPECDEC_TRACE_*`` from the environment, else ``traces.Retention``'s
+    files (None: ``SPECDEC_TRACE_*`` from the environment, else ``Retention``'s
     defaults). Returns None when disabled (``enabled=False`` or ``SPECDEC_TRACING=0``); every
     other function here then does nothing.
     """

@@ -14,18 +14,18 @@ from specdec.bench import configs as configs_mod
 from specdec.bench.client import CompletionClient, concurrency_sweep, run_http
 from specdec.bench.configs import BenchConfig, build_configs
 from specdec.bench.ideal import (
-    expected_tokens_per_round,
     ideal_speedup,
     ideal_speedup_measured,
     ideal_speedup_rounds,
     interpolate_verify_cost,
     per_position_acceptance,
-    percentile,
 )
 from specdec.bench.report import ROW_FIELDS
 from specdec.bench.sse import completion_chunks, sse_data, stream_timing
 from specdec.bench.workloads import Prompt
 from specdec.cli import main
+from specdec.policy import expected_tokens
+from specdec.stats import percentile
 
 # --------------------------------------------------------------------------- the math
 
@@ -40,9 +40,9 @@ def test_ideal_speedup_hand_computed():
     assert ideal_speedup(1 - 1e-9, 3, 0.2, 1.1) == pytest.approx(4 / 1.7, rel=1e-6)
     # k = 0 is plain decoding.
     assert ideal_speedup(0.7, 0, 0.2, 1.0) == 1.0
-    assert expected_tokens_per_round(0.5, 2) == pytest.approx(1.75)  # 1 + 0.5 + 0.25
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)  # 1 + 0.5 + 0.25
     with pytest.raises(ValueError):
-        expected_tokens_per_round(1.5, 2)
+        expected_tokens(1.5, 2)
 
 
 def test_ideal_speedup_over_rounds_that_differ():

@@ -1,4 +1,5 @@
-"""Fast tests of specdec.demo: the draft loader contract and the build cache (no GGUF needed)."""
+"""Fast tests of the demo draft (specdec.models.draft: the loader contract) and the build cache
+(specdec.demo; no GGUF needed)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import torch
 from transformers import DynamicCache, LlamaConfig
 
 import specdec.demo as demo
-from specdec.demo.draft_model import (MARKER, ReducedHeadLlamaForCausalLM, draft_llama_config, is_draft_dir,
-                                      load_draft, save_draft)
+from specdec.models.draft import ReducedHeadLlamaForCausalLM, draft_llama_config, is_draft_dir, load_draft, save_draft
+from specdec.models.files import DRAFT_MARKER as MARKER
 
 V, H = 96, 24
 

@@ -10,11 +10,11 @@ import specdec.demo as demo
 from specdec.config import ModelConfig, SpeculationConfig
 from specdec.decoding import DecodeRequest, LocalTarget, decode
 from specdec.demo.exit_adapter import (ExitBuildConfig, TrainConfig, adapter_from_target, add_exit_adapters,
-                                       build_exit_adapters, exit_features, load_exit_adapter, save_exit_adapter,
-                                       train_exit_adapter)
+                                       build_exit_adapters, exit_features, train_exit_adapter)
 from specdec.drafters.base import Proposal
 from specdec.drafters.early_exit import EarlyExitDrafter, RawExit, ShallowStack
 from specdec.engine import Engine
+from specdec.models.exit_adapter import load_exit_adapter, save_exit_adapter
 from specdec.runner import ModelRunner, load_model, load_tokenizer
 from specdec.sampling import SamplingParams
 from specdec.tiny import synthetic_corpus
@@ -350,6 +350,6 @@ def test_add_exit_adapters_to_a_tiny_demo_cache(llama_pair, tmp_path, monkeypatc
     assert saved["draft"] == {"agreement_code_heldout": 0.2}
     assert saved["early_exit"] == json.loads(json.dumps(metrics))
     assert set(metrics["heldout_positions"]) == {"code", "chat"} and metrics["train_positions"] > 100
-    assert metrics["target_unchanged"] and exit_mod.exit_complete(root)
+    assert metrics["target_unchanged"] and demo._exit_complete(root)
     assert hashlib.sha256((root / "target" / "model.safetensors").read_bytes()).hexdigest() == digest
     assert load_exit_adapter(root / "exit" / f"layer{EXIT}").exit_layer == EXIT

@@ -132,7 +132,7 @@ def test_engine_bad_draft_goes_plain_and_output_is_unchanged(engines):
     plain = engine.generate(ids, max_tokens=60, mode="off")
     spec = engine.generate(ids, max_tokens=60, mode="draft")
     assert spec.token_ids == plain.token_ids
-    assert spec.policy["fallbacks"] >= 1
+    assert spec.policy_summary["fallbacks"] >= 1
     first_plain = next(r.index for r in spec.rounds if r.index > 1 and r.mode == "off")
     assert first_plain <= 6
     assert spec.speculation.drafted_tokens < 30  # the probes only
@@ -148,7 +148,7 @@ def test_engine_draft_equal_to_target_accepts_everything_and_k_rises(engines):
     ids = engine.encode(prompt="My friend builds")
     res = engine.generate(ids, max_tokens=80, mode="draft")
     assert res.speculation.acceptance_rate > 0.95
-    assert max(int(k) for k in res.policy["k_histogram"]) == PolicyConfig().k_max
+    assert max(int(k) for k in res.policy_summary["k_histogram"]) == PolicyConfig().k_max
     assert res.rounds[-2].k == PolicyConfig().k_max or res.rounds[-1].k == PolicyConfig().k_max
 
 
@@ -158,12 +158,12 @@ def test_engine_auto_and_kill_switch(engines):
     plain = engine.generate(ids, max_tokens=40, mode="off")
     auto = engine.generate(ids, max_tokens=40, mode="auto")
     assert auto.token_ids == plain.token_ids and auto.speculation.mode in ("draft", "ngram")
-    engine.policy = PolicyConfig(kill_switch=True)
+    engine.policy_config = PolicyConfig(kill_switch=True)
     try:
         killed = engine.generate(ids, max_tokens=40, mode="draft")
         assert killed.speculation.mode == "off" and killed.speculation.drafted_tokens == 0
     finally:
-        engine.policy = PolicyConfig()
+        engine.policy_config = PolicyConfig()
 
 
 def test_seeded_sampling_is_reproducible_under_the_adaptive_policy(engines):

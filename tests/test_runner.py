@@ -16,7 +16,7 @@ def full_logits(model, ids):
 
 
 def test_prefill_speculate_reject_continue_matches_plain(model):
-    """Rollback: rejected drafts leave no trace in the cache (STYLE.md idiom 8)."""
+    """Rollback: rejected drafts leave no trace in the cache (docs/architecture.md: rollback)."""
     runner = ModelRunner(model)
     prompt = [5, 17, 42, 8, 99]
     runner.forward("s", prompt, 1)  # prefill
@@ -24,7 +24,7 @@ def test_prefill_speculate_reject_continue_matches_plain(model):
     scored = runner.forward("s", prompt + drafts, len(drafts) + 1)  # speculate k=3
     assert torch.allclose(scored, full_logits(model, prompt + drafts)[-4:], atol=1e-5)
     runner.rollback("s", len(prompt) + 1)  # reject after the first draft
-    assert runner.cached_len("s") == len(prompt) + 1
+    assert len(runner._seqs["s"].ids) == len(prompt) + 1
     cont = prompt + [7, 3, 11]
     step = runner.forward("s", cont, 1)  # continue with different tokens
     assert torch.allclose(step[0], full_logits(model, cont)[-1], atol=1e-5)
@@ -54,7 +54,7 @@ def test_sequences_are_independent_and_lru_evicted(model):
     runner.forward("a", [1, 2, 3], 1)
     runner.forward("b", [4, 5], 1)
     runner.forward("c", [6], 1)
-    assert runner.cached_len("a") == 0 and runner.cached_len("b") == 2
+    assert "a" not in runner._seqs and len(runner._seqs["b"].ids) == 2
     # An evicted sequence is simply re-prefilled from the ids the caller owns.
     assert torch.allclose(runner.forward("a", [1, 2, 3], 1)[0], full_logits(model, [1, 2, 3])[-1], atol=1e-5)
 

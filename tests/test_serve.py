@@ -15,7 +15,7 @@ from ray import serve
 
 from deployments.app import build_app
 from deployments.lint import lint_serve_config
-from specdec.traces import load_traces
+from specdec.tracing.reader import load_traces
 from specdec.decoding import DecodeRequest, LocalTarget, decode
 from specdec.runner import ModelRunner, load_model, load_tokenizer
 

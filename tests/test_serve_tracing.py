@@ -10,7 +10,7 @@ from ray import serve
 from ray.serve._private.constants import DEFAULT_TRACING_EXPORTER_IMPORT_PATH
 
 from deployments.app import bind_app
-from specdec.traces import load_traces
+from specdec.tracing.reader import load_traces
 
 PORT = 8126
 

@@ -30,14 +30,9 @@ from specdec.cli import main as cli_main
 from specdec.decoding import DecodeRequest, decode
 from specdec.drafters.base import Proposal
 from specdec.policy import CostModel, ModeSwitch, PolicyConfig, SpeculationPolicy
-from specdec.traces import (
-    JsonLinesSpanExporter,
-    Retention,
-    find_trace,
-    load_traces,
-    span_files,
-)
-from specdec.traces_html import render_html
+from specdec.tracing.format import JsonLinesSpanExporter, Retention
+from specdec.tracing.reader import find_trace, load_traces, span_files
+from specdec.tracing.view import render_html
 from specdec.verify import Verdict
 
 ACCEPT = [3, 4, 1, 0, 2, 4, 4, 1, 2, 3]  # accepted drafts of the speculative rounds, in order
@@ -89,9 +84,6 @@ class ScriptedDrafter:
 
     def propose(self, seq_id, context, k, params, seed):
         return self.actor.call(self._propose, telemetry.inject(), k)
-
-    def observe(self, seq_id, proposed, accepted):
-        pass
 
     def release(self, seq_id):
         pass
@@ -471,7 +463,7 @@ def test_retention_limits_from_arguments_then_environment(monkeypatch, caplog):
     monkeypatch.setenv("SPECDEC_TRACE_MAX_FILE_BYTES", "1K")
     monkeypatch.setenv("SPECDEC_TRACE_MAX_FILES", "2")
     monkeypatch.setenv("SPECDEC_TRACE_MAX_TOTAL_BYTES", "lots")
-    with caplog.at_level(logging.ERROR, logger="specdec.traces"):
+    with caplog.at_level(logging.ERROR, logger="specdec.tracing.format"):
         limits = Retention.resolve(max_files=5)
     assert limits == Retention(max_file_bytes=1024, max_files=5, max_total_bytes=Retention().max_total_bytes)
     assert "SPECDEC_TRACE_MAX_TOTAL_BYTES" in caplog.text

@@ -1,4 +1,4 @@
-"""Exactness of verification, proven analytically and statistically (STYLE.md idiom 3)."""
+"""Exactness of verification, proven analytically and statistically (docs/architecture.md: how exactness is proven)."""
 
 import itertools
 

@@ -66,7 +66,7 @@ class Event:
     token_ids: list[int]
     stats: RoundStats
     finish_reason: str | None = None
-    policy: dict | None = None  # the controller's summary, on the last event
+    policy_summary: dict | None = None  # the speculation controller's summary, on the last event
     policy_events: list[str] = field(default_factory=list)  # decisions taken before this round
     error: str | None = None  # the unit failed this request (no stats then)
 

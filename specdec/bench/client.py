@@ -18,9 +18,9 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from specdec.bench.ideal import percentile
 from specdec.bench.sse import StreamTiming, completion_chunks, stream_timing
 from specdec.bench.workloads import Prompt
+from specdec.stats import percentile
 
 log = logging.getLogger(__name__)
 

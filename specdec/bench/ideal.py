@@ -34,29 +34,15 @@ bookkeeping, sampling) leaves of what the costs and acceptance allow.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 
-
-def expected_tokens_per_round(a: float, k: int) -> float:
-    """``E[tokens/round] = (1 - a^(k+1)) / (1 - a)``; ``k + 1`` at ``a = 1``."""
-    if not 0.0 <= a <= 1.0:
-        raise ValueError(f"acceptance must be in [0, 1], got {a}")
-    if k < 0:
-        raise ValueError(f"k must be >= 0, got {k}")
-    if a > 1.0 - 1e-12:
-        return float(k + 1)
-    return (1.0 - a ** (k + 1)) / (1.0 - a)
-
-
-def round_cost(k: int, c: float, v: float) -> float:
-    """A round's cost in target steps: ``k`` draft steps at ``c`` each plus one verify pass."""
-    return k * c + v
+from specdec.policy import expected_speedup, expected_tokens
 
 
 def ideal_speedup(a: float, k: int, c: float, v: float) -> float:
-    """``E[tokens/round] / (k c + v(k))``: the speedup over plain decoding at fixed ``k``."""
-    return expected_tokens_per_round(a, k) / round_cost(k, c, v)
+    """``E[tokens/round] / (k c + v(k))``: the speedup over plain decoding at fixed ``k``
+    (the policy's ``expected_speedup`` with a verify cost ``v`` for this ``k``)."""
+    return expected_speedup(a, k, c, lambda _: v)
 
 
 def ideal_speedup_rounds(
@@ -76,8 +62,8 @@ def ideal_speedup_rounds(
     verify = v if callable(v) else v.__getitem__
     tokens = cost = 0.0
     for a, k, c in rounds:
-        tokens += expected_tokens_per_round(a, k)
-        cost += round_cost(k, c, 1.0 if k == 0 else verify(k))
+        tokens += expected_tokens(a, k)
+        cost += k * c + (1.0 if k == 0 else verify(k))  # k draft steps and one verify pass
     return tokens / cost if cost else 1.0
 
 
@@ -101,7 +87,7 @@ def ideal_speedup_measured(
     tokens = cost = 0.0
     for n, k, c in rounds:
         tokens += n
-        cost += round_cost(k, c, 1.0 if k == 0 else verify(k))
+        cost += k * c + (1.0 if k == 0 else verify(k))  # k draft steps and one verify pass
     return tokens / cost if cost else 1.0
 
 
@@ -144,14 +130,3 @@ def interpolate_verify_cost(measured: Mapping[int, float]) -> Callable[[int], fl
         return max(v1, v1 + (v1 - v0) * (k - k1) / (k1 - k0))
 
     return v
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The ``q``-th percentile (0-100) with linear interpolation; None for no values."""
-    xs = sorted(v for v in values if v is not None and not math.isnan(v))
-    if not xs:
-        return None
-    pos = (len(xs) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)

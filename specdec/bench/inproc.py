@@ -47,7 +47,7 @@ class RunResult:
     rounds: list[Round] = field(default_factory=list)
     rss_mb: float | None = None
     speculation: dict | None = None  # what a server reported (http)
-    policy: dict | None = None  # the engine's k policy summary (adaptive runs)
+    policy_summary: dict | None = None  # the speculation controller's summary (adaptive runs)
 
     @property
     def tokens_per_s(self) -> float:
@@ -99,7 +99,7 @@ def run_ours(engine, cfg: BenchConfig, prompt: Prompt, max_tokens: int, repeat: 
     return RunResult(
         config=cfg.name, prompt=prompt.key, workload=prompt.workload, repeat=repeat,
         output_ids=list(out.token_ids), output_tokens=len(out.token_ids), seconds=seconds,
-        ttft_s=out.ttft_s, rounds=rounds, rss_mb=rss_mb(), policy=getattr(out, "policy", None) or None,
+        ttft_s=out.ttft_s, rounds=rounds, rss_mb=rss_mb(), policy_summary=getattr(out, "policy_summary", None) or None,
     )
 
 

@@ -35,9 +35,19 @@ def write_plots(report: dict, directory: str | Path, stem: str = "bench") -> lis
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = report["configurations"]
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
-    names = list(dict.fromkeys(r["name"] for r in rows))
-    written = []
+    written = [_save(_speedup_figure(plt, rows, workloads), plt, out_dir / f"{stem}_speedup.png"),
+               _save(_acceptance_figure(plt, rows, workloads), plt, out_dir / f"{stem}_acceptance.png")]
+    http = report.get("http") or {}
+    levels = (http.get("concurrency") or {}).get("levels") or []
+    if levels:
+        fig = _concurrency_figure(plt, levels, http["concurrency"]["mode"])
+        written.append(_save(fig, plt, out_dir / f"{stem}_concurrency.png"))
+    return written
 
+
+def _speedup_figure(plt, rows: list[dict], workloads: list[str]):
+    """Bars: each configuration's speedup over plain decoding, per workload."""
+    names = list(dict.fromkeys(r["name"] for r in rows))
     fig, ax = plt.subplots(figsize=(max(8, 0.7 * len(names) + 2), 4.5))
     width = 0.8 / max(len(workloads), 1)
     for i, w in enumerate(workloads):
@@ -51,8 +61,11 @@ def write_plots(report: dict, directory: str | Path, stem: str = "bench") -> lis
     ax.set_title("Output tokens/s relative to plain decoding")
     ax.legend()
     fig.tight_layout()
-    written.append(_save(fig, plt, out_dir / f"{stem}_speedup.png"))
+    return fig
 
+
+def _acceptance_figure(plt, rows: list[dict], workloads: list[str]):
+    """Lines: acceptance at each draft position, one panel per workload, peers dashed."""
     fig, axes = plt.subplots(1, len(workloads), figsize=(4.2 * len(workloads), 4), squeeze=False)
     for ax, w in zip(axes[0], workloads):
         for r in rows:
@@ -72,24 +85,23 @@ def write_plots(report: dict, directory: str | Path, stem: str = "bench") -> lis
     if handles:
         fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 6), fontsize="small")
     fig.tight_layout(rect=(0, 0.12, 1, 1))
-    written.append(_save(fig, plt, out_dir / f"{stem}_acceptance.png"))
+    return fig
 
-    http = report.get("http") or {}
-    levels = (http.get("concurrency") or {}).get("levels") or []
-    if levels:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        conc = [lv["concurrency"] for lv in levels]
-        ax.plot(conc, [lv["tokens_per_s"] for lv in levels], marker="o", label="aggregate")
-        ax.plot(conc, [lv["per_stream_tokens_per_s_p50"] or 0.0 for lv in levels], marker="s", label="per stream (p50)")
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(conc, [str(c) for c in conc])
-        ax.set_xlabel("concurrent streams")
-        ax.set_ylabel("output tokens/s")
-        ax.set_title(f"HTTP, mode {http['concurrency']['mode']}")
-        ax.legend()
-        fig.tight_layout()
-        written.append(_save(fig, plt, out_dir / f"{stem}_concurrency.png"))
-    return written
+
+def _concurrency_figure(plt, levels: list[dict], mode: str):
+    """Aggregate and per-stream tokens/s against concurrent streams (HTTP)."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    conc = [lv["concurrency"] for lv in levels]
+    ax.plot(conc, [lv["tokens_per_s"] for lv in levels], marker="o", label="aggregate")
+    ax.plot(conc, [lv["per_stream_tokens_per_s_p50"] or 0.0 for lv in levels], marker="s", label="per stream (p50)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(conc, [str(c) for c in conc])
+    ax.set_xlabel("concurrent streams")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title(f"HTTP, mode {mode}")
+    ax.legend()
+    fig.tight_layout()
+    return fig
 
 
 def _save(fig, plt, path: Path) -> Path:

@@ -37,9 +37,9 @@ from specdec.bench.ideal import (
     ideal_speedup_measured,
     interpolate_verify_cost,
     per_position_acceptance,
-    percentile,
 )
 from specdec.bench.inproc import RunResult
+from specdec.stats import percentile
 
 ROW_FIELDS = (
     "name", "runner", "mode", "k", "schedule", "workload", "runs", "output_tokens",
@@ -103,7 +103,7 @@ def _c_in_loop(rounds: list, target_step_s: float) -> float | None:
 
 def _policy(runs: list[RunResult]) -> dict | None:
     """The engine policy's summaries added up over runs (adaptive configurations)."""
-    summaries = [r.policy for r in runs if r.policy]
+    summaries = [r.policy_summary for r in runs if r.policy_summary]
     if not summaries:
         return None
     total: dict = {"fallbacks": 0, "probes": 0, "mode_switches": 0, "k_histogram": {}}
@@ -113,6 +113,39 @@ def _policy(runs: list[RunResult]) -> dict | None:
         for k, n in (s.get("k_histogram") or {}).items():
             total["k_histogram"][k] = total["k_histogram"].get(k, 0) + n
     return total
+
+
+def _ideal(cfg: BenchConfig, rounds: list, costs: Costs, v, acceptance: float | None) -> dict:
+    """c, v(k) and the ideal speedup that the measured acceptance and costs allow."""
+
+    def c_of(mode: str | None) -> float | None:
+        """c of a drafter: measured directly for a draft model, in the loop otherwise."""
+        if mode in ("draft", "assisted"):
+            return costs.c
+        if mode == "lookup":
+            return 0.0  # transformers' lookup cannot be timed apart: counted as free
+        return _c_in_loop([rd for rd in rounds if rd.mode == mode], costs.target_step_s)
+
+    if not cfg.speculative:
+        return {"c": None, "v_k": 1.0, "ideal_speedup": 1.0}
+    by_mode: dict[str | None, list] = defaultdict(list)
+    for rd in rounds:
+        if rd.drafted:
+            by_mode[rd.mode].append(rd)
+    main_mode = max(by_mode, key=lambda m: sum(rd.drafted for rd in by_mode[m]), default=cfg.mode)
+    out = {"c": c_of(main_mode if cfg.runner != "http" else cfg.mode), "v_k": v(cfg.k) if cfg.k is not None else None}
+    if rounds:  # per round: the acceptance and c of the drafter that drafted it
+        a_c = {m: (sum(rd.accepted for rd in rs) / sum(rd.drafted for rd in rs), c_of(m)) for m, rs in by_mode.items()}
+        if any(c is None for _, c in a_c.values()):
+            out["ideal_speedup"] = None
+        else:
+            per_round = ((rd.accepted + 1, rd.drafted, a_c[rd.mode][1]) if rd.drafted else (1, 0, 0.0) for rd in rounds)
+            out["ideal_speedup"] = ideal_speedup_measured(per_round, v)
+    elif cfg.k is not None and acceptance is not None and out["c"] is not None:
+        out["ideal_speedup"] = ideal_speedup(acceptance, cfg.k, out["c"], v(cfg.k))
+    else:
+        out["ideal_speedup"] = None
+    return out
 
 
 def summarize(
@@ -130,39 +163,7 @@ def summarize(
     row["mean_k"] = sum(rd.drafted for rd in rounds) / len(rounds) if rounds else None
     v = interpolate_verify_cost(costs.v)
     row["c_in_loop"] = _c_in_loop(rounds, costs.target_step_s)
-
-    def c_of(mode: str | None) -> float | None:
-        """c of a drafter: measured directly for a draft model, in the loop otherwise."""
-        if mode in ("draft", "assisted"):
-            return costs.c
-        if mode == "lookup":
-            return 0.0  # transformers' lookup cannot be timed apart: counted as free
-        return _c_in_loop([rd for rd in rounds if rd.mode == mode], costs.target_step_s)
-
-    if not cfg.speculative:
-        row["c"], row["v_k"], row["ideal_speedup"] = None, 1.0, 1.0
-    else:
-        by_mode: dict[str | None, list] = defaultdict(list)
-        for rd in rounds:
-            if rd.drafted:
-                by_mode[rd.mode].append(rd)
-        main_mode = max(by_mode, key=lambda m: sum(rd.drafted for rd in by_mode[m]), default=cfg.mode)
-        row["c"] = c_of(main_mode if cfg.runner != "http" else cfg.mode)
-        row["v_k"] = v(cfg.k) if cfg.k is not None else None
-        if rounds:  # per round: the acceptance and c of the drafter that drafted it
-            a_c = {m: (sum(rd.accepted for rd in rs) / sum(rd.drafted for rd in rs), c_of(m))
-                   for m, rs in by_mode.items()}
-            if any(c is None for _, c in a_c.values()):
-                row["ideal_speedup"] = None
-            else:
-                per_round = (
-                    (rd.accepted + 1, rd.drafted, a_c[rd.mode][1]) if rd.drafted else (1, 0, 0.0) for rd in rounds
-                )
-                row["ideal_speedup"] = ideal_speedup_measured(per_round, v)
-        elif cfg.k is not None and row["acceptance_rate"] is not None and row["c"] is not None:
-            row["ideal_speedup"] = ideal_speedup(row["acceptance_rate"], cfg.k, row["c"], v(cfg.k))
-        else:
-            row["ideal_speedup"] = None
+    row.update(_ideal(cfg, rounds, costs, v, row["acceptance_rate"]))
     row["efficiency"] = (
         row["speedup"] / row["ideal_speedup"] if row["speedup"] is not None and row["ideal_speedup"] else None
     )

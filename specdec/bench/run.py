@@ -41,15 +41,12 @@ from specdec.bench.report import (
     targets,
 )
 from specdec.bench.workloads import Prompt, build_prompts, stdlib_code_files
+from specdec.paths import specdec_home
 
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
 WARMUP_TOKENS = 8
-
-
-def specdec_home() -> Path:
-    return Path(os.environ.get("SPECDEC_HOME") or (Path.home() / ".cache" / "specdec")).expanduser()
 
 
 def tiny_pair(arch: str = "llama") -> dict[str, Path]:
@@ -165,6 +162,24 @@ def run_bench(opts: BenchOptions) -> dict:
 
 
 def _run(bench: Bench, opts: BenchOptions, started: float) -> dict:
+    prompts = _prompts(bench, opts)
+    active, skipped = _configurations(bench, opts)
+    log.info("measuring c and v(k) on a %d-token context", len(_cost_context(prompts)))
+    # v(k) at every k the runs use: --ks, the policy's largest k, transformers' lookup default.
+    k_max = getattr(getattr(bench.engine, "policy_config", None), "k_max", 8)
+    cost_ks = sorted(set(range(1, max(opts.ks) + 1)) | {k_max, HF_LOOKUP_DEFAULT_TOKENS})
+    costs = measure_costs(bench.target_model, bench.draft_model, _cost_context(prompts), cost_ks,
+                          reps=opts.cost_reps)
+    _warm_up(bench, opts, prompts[0], active, skipped)
+    results = _measure(bench, opts, prompts, active, skipped)
+    active = [c for c in active if c.name in results]
+    concurrency = _concurrency(bench, opts, prompts) if bench.client is not None else None
+    rows = _rows(opts, prompts, active, results, costs)
+    return _report(bench, opts, started, prompts, costs, rows, skipped, concurrency)
+
+
+def _prompts(bench: Bench, opts: BenchOptions) -> list[Prompt]:
+    """The workloads' prompts, cut to leave room for max_tokens in the model's context."""
     max_len = bench.engine.max_length
     max_prompt = opts.max_prompt_tokens
     if max_len:
@@ -174,28 +189,33 @@ def _run(bench: Bench, opts: BenchOptions, started: float) -> dict:
     prompts = build_prompts(bench.tokenizer, opts.workloads, opts.prompts, max_prompt_tokens=max_prompt, seed=opts.seed)
     if not prompts:
         raise ValueError("no prompt fits: raise --max-prompt-tokens or lower --max-tokens")
+    return prompts
+
+
+def _configurations(bench: Bench, opts: BenchOptions) -> tuple[list[BenchConfig], list[dict]]:
+    """The configurations this bench can run, and those it skips (with why)."""
     skipped: list[dict] = []
     active: list[BenchConfig] = []
     for cfg in build_configs(opts.ks, quick=opts.quick, http=bool(opts.url), only=opts.only):
         reason = bench.unavailable(cfg)
         (skipped.append({"name": cfg.name, "reason": reason}) if reason else active.append(cfg))
+    return active, skipped
 
-    log.info("measuring c and v(k) on a %d-token context", len(_cost_context(prompts)))
-    # v(k) at every k the runs use: --ks, the policy's largest k, transformers' lookup default.
-    k_max = getattr(getattr(bench.engine, "policy", None), "k_max", 8)
-    cost_ks = sorted(set(range(1, max(opts.ks) + 1)) | {k_max, HF_LOOKUP_DEFAULT_TOKENS})
-    costs = measure_costs(bench.target_model, bench.draft_model, _cost_context(prompts), cost_ks,
-                          reps=opts.cost_reps)
 
-    # Warm-up: first calls pay one-off costs; a configuration that cannot run at all goes.
+def _warm_up(bench: Bench, opts: BenchOptions, prompt: Prompt, active: list[BenchConfig], skipped: list[dict]):
+    """First calls pay one-off costs; a configuration that cannot run at all goes."""
     for cfg in list(active):
         try:
-            bench.run(cfg, prompts[0], min(WARMUP_TOKENS, opts.max_tokens), repeat=-1)
+            bench.run(cfg, prompt, min(WARMUP_TOKENS, opts.max_tokens), repeat=-1)
         except Exception as exc:
             log.warning("skipping %s: %s: %s", cfg.name, type(exc).__name__, exc)
             skipped.append({"name": cfg.name, "reason": f"{type(exc).__name__}: {exc}"})
             active.remove(cfg)
 
+
+def _measure(bench: Bench, opts: BenchOptions, prompts: list[Prompt], active: list[BenchConfig],
+             skipped: list[dict]) -> dict[str, list[RunResult]]:
+    """Every configuration on every prompt, ``repeats`` times, in a rotating order."""
     results: dict[str, list[RunResult]] = defaultdict(list)
     with _progress(opts.repeats * len(prompts) * len(active)) as bar:
         for repeat in range(opts.repeats):
@@ -211,23 +231,28 @@ def _run(bench: Bench, opts: BenchOptions, started: float) -> dict:
                         skipped.append({"name": cfg.name, "reason": f"{type(exc).__name__}: {exc}"})
                         results.pop(cfg.name, None)
                     bar.update(1)
-    active = [c for c in active if c.name in results]
+    return results
 
-    concurrency = None
-    if bench.client is not None:
-        from specdec.bench.client import concurrency_sweep
 
-        # auto picks k itself (as the http-auto configuration asks); a fixed mode runs at the middle k.
-        k = None if opts.http_mode == "auto" else sorted(opts.ks)[len(opts.ks) // 2]
-        concurrency = {
-            "mode": opts.http_mode, "k": k,
-            "levels": concurrency_sweep(
-                bench.client.url, bench.client.model, prompts, list(opts.concurrency),
-                requests_per_stream=opts.requests_per_stream, max_tokens=opts.max_tokens,
-                mode=opts.http_mode, k=k, extra_body=opts.http_extra,
-            ),
-        }
+def _concurrency(bench: Bench, opts: BenchOptions, prompts: list[Prompt]) -> dict:
+    """The HTTP concurrency sweep against the running server."""
+    from specdec.bench.client import concurrency_sweep
 
+    # auto picks k itself (as the http-auto configuration asks); a fixed mode runs at the middle k.
+    k = None if opts.http_mode == "auto" else sorted(opts.ks)[len(opts.ks) // 2]
+    return {
+        "mode": opts.http_mode, "k": k,
+        "levels": concurrency_sweep(
+            bench.client.url, bench.client.model, prompts, list(opts.concurrency),
+            requests_per_stream=opts.requests_per_stream, max_tokens=opts.max_tokens,
+            mode=opts.http_mode, k=k, extra_body=opts.http_extra,
+        ),
+    }
+
+
+def _rows(opts: BenchOptions, prompts: list[Prompt], active: list[BenchConfig],
+          results: dict[str, list[RunResult]], costs) -> list[dict]:
+    """One summary row per configuration and workload, against that workload's plain decoding."""
     references = {r.prompt: r.output_ids for r in results.get("off", []) if r.repeat == 0}
     greedy = {p.key for p in prompts if p.temperature == 0}
     rows = []
@@ -241,7 +266,12 @@ def _run(bench: Bench, opts: BenchOptions, started: float) -> dict:
             if runs:
                 rows.append(summarize(cfg, workload, runs, costs=costs, baseline_tps=baseline,
                                       references=references, greedy_prompts=greedy))
-    policy = getattr(bench.engine, "policy", None)
+    return rows
+
+
+def _report(bench: Bench, opts: BenchOptions, started: float, prompts: list[Prompt], costs, rows: list[dict],
+            skipped: list[dict], concurrency: dict | None) -> dict:
+    policy = getattr(bench.engine, "policy_config", None)
     return {
         "schema": SCHEMA_VERSION,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

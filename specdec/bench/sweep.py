@@ -22,6 +22,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from specdec.plugins import local_server
+
 WORKLOAD_PROMPTS = {
     "chat": ["Name three rivers and say where each one flows.", "Explain what a hash table is.",
              "Give me two tips for learning to cook.", "What is the capital of France, and why is it famous?"],
@@ -180,27 +182,6 @@ def _models(args) -> dict:
             "draft_dtype": "bfloat16", "early_exit_adapter": str(exit_adapter) if exit_adapter else None}
 
 
-def _local_serve(args, models: dict, max_num_seqs: int):
-    """Start the models as a Serve application on 127.0.0.1; returns a stop function."""
-    import ray
-    import torch
-    from ray import serve
-
-    from deployments.app import bind_app
-
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
-    unit = {"models": {**models, "served_model_name": "sweep"}, "colocation": "in_process",
-            "torch_threads": torch.get_num_threads(), "max_num_seqs": max_num_seqs,
-            "max_concurrent_requests": max(16, max_num_seqs)}
-    serve.run(bind_app(unit), name="sweep", route_prefix="/")
-
-    def stop():
-        serve.shutdown()
-        ray.shutdown()
-    return stop
-
-
 def run(args) -> dict:
     levels = [int(x) for x in args.concurrency.split(",")]
     modes = args.modes.split(",")
@@ -225,7 +206,7 @@ def run(args) -> dict:
         send(mode)(prompts[0])  # warm-up
     sections["in process"] = sweep(send, modes, levels, args.requests, prompts)
     if args.http:
-        stop = _local_serve(args, models, max(levels))
+        stop = local_server()(models, port=args.port, name="sweep", max_num_seqs=max(levels))
         try:
             url = f"http://127.0.0.1:{args.port}"
             http = lambda m: http_sender(url, "sweep", m, args.max_tokens, chat)  # noqa: E731

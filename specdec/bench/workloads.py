@@ -10,7 +10,7 @@
   and outputs differ from run to run of different configurations.
 
 Code comes from the stdlib files the demo draft held out of its training set when that split
-is importable (``specdec.demo.build``), else from a seeded choice of stdlib files.
+is importable (``specdec.demo.corpus``), else from a seeded choice of stdlib files.
 """
 
 from __future__ import annotations
@@ -74,7 +74,8 @@ class Prompt:
 def stdlib_code_files(seed: int) -> tuple[tuple[Path, ...], bool]:
     """Stdlib ``.py`` files for code prompts, and whether they are held out of draft training."""
     try:
-        from specdec.demo.build import BuildConfig, split_files, stdlib_files
+        from specdec.demo.config import BuildConfig
+        from specdec.demo.corpus import split_files, stdlib_files
 
         demo = BuildConfig()  # the split the default demo build holds out
         files = split_files(stdlib_files(), demo.seed, demo.heldout_file_frac)[1]

@@ -1,5 +1,8 @@
 """The offline demo model pair: SmolLM2-135M-Instruct (target) and a distilled 2-layer draft.
 
+This package builds and trains the demo models; their definitions and loaders are
+:mod:`specdec.models` (which never imports this package).
+
 ``build_demo_models()`` writes ``$SPECDEC_HOME/demo/{tokenizer,target,draft}`` and
 ``metrics.json`` (``SPECDEC_HOME`` defaults to ``~/.cache/specdec``). The build runs in a temp
 directory next to the final one and is renamed into place at the end, so an interrupted build
@@ -19,28 +22,21 @@ import sys
 import time
 from pathlib import Path
 
-MARKER = "specdec_draft.json"  # same names as draft_model (kept import-free: a cache hit loads no torch)
-_DRAFT_FILES = (MARKER, "draft.safetensors", "embeddings.safetensors")
+# Standard library only, so that a cache hit loads no torch; the builders (``build``,
+# ``exit_adapter``) are imported when a build runs.
+from specdec.models.files import DRAFT_FILES, DRAFT_MARKER, EXIT_FILES, EXIT_SUMMARY
+from specdec.paths import specdec_home
 
+from .config import BuildConfig
 
-def load_draft(path, dtype=None):
-    """See :func:`specdec.demo.draft_model.load_draft` (imported lazily)."""
-    import torch
-
-    from .draft_model import load_draft as _load
-
-    return _load(path, torch.float32 if dtype is None else dtype)
-
-__all__ = ["build_demo_models", "demo_paths", "demo_home", "is_demo_complete", "load_draft"]
+__all__ = ["build_demo_models", "demo_exit_adapter", "demo_home", "demo_paths", "is_demo_complete"]
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 _TARGET_FILES = ("config.json", "model.safetensors") + _TOKENIZER_FILES
 
 
 def demo_home(home: Path | str | None = None) -> Path:
-    if home is None:
-        home = os.environ.get("SPECDEC_HOME") or (Path.home() / ".cache" / "specdec")
-    return Path(home).expanduser() / "demo"
+    return (specdec_home() if home is None else Path(home).expanduser()) / "demo"
 
 
 def demo_paths(home: Path | str | None = None) -> dict:
@@ -61,12 +57,12 @@ def _complete(root: Path) -> bool:
     files = [root / "metrics.json"]
     files += [p["tokenizer"] / f for f in _TOKENIZER_FILES]
     files += [p["target"] / f for f in _TARGET_FILES]
-    files += [p["draft"] / f for f in _TOKENIZER_FILES + _DRAFT_FILES]
+    files += [p["draft"] / f for f in _TOKENIZER_FILES + DRAFT_FILES]
     if not all(f.is_file() and f.stat().st_size > 0 for f in files):
         return False
     try:
         json.loads((root / "metrics.json").read_text())
-        json.loads((p["draft"] / MARKER).read_text())
+        json.loads((p["draft"] / DRAFT_MARKER).read_text())
     except (OSError, ValueError):
         return False
     return True
@@ -89,14 +85,15 @@ def is_demo_complete(home: Path | str | None = None) -> bool:
 
 
 def _exit_complete(root: Path) -> bool:
-    """The early-exit adapters (``exit/``) have their own check, so a finished target/draft
-    cache gets them added without a rebuild. Same file names as ``exit_adapter`` (import-free)."""
+    """Whether ``root/exit`` holds a finished build (the summary and every adapter it names). The
+    early-exit adapters have their own check, so a finished target/draft cache gets them added
+    without a rebuild."""
     try:
-        layers = json.loads((root / "exit" / "exit.json").read_text()).get("layers", {})
+        layers = json.loads((root / "exit" / EXIT_SUMMARY).read_text()).get("layers", {})
     except (OSError, ValueError):
         return False
     return bool(layers) and all((root / "exit" / f"layer{L}" / name).is_file()
-                                for L in layers for name in ("specdec_exit.json", "exit.safetensors"))
+                                for L in layers for name in EXIT_FILES)
 
 
 def _exit_buildable(root: Path) -> bool:
@@ -115,7 +112,7 @@ def _ensure_exit(root: Path) -> None:
         print(f"[specdec demo] no early-exit adapters: {root / 'target'} is not a Llama/GPT-2 model",
               file=sys.stderr)
         return
-    from .exit_adapter import add_exit_adapters
+    from .exit_adapter import add_exit_adapters  # loads torch: only when the adapters are built
 
     add_exit_adapters(root)
 
@@ -126,7 +123,7 @@ def build_demo_models(home: Path | str | None = None, *, force: bool = False, bu
 
     ``budget_s`` caps the draft-training phase by wall-clock (the default fixed step count is
     deterministic; a budget makes the result depend on machine speed). ``config`` (a
-    :class:`specdec.demo.build.BuildConfig`) overrides the default data/step sizes.
+    :class:`specdec.demo.config.BuildConfig`) overrides the default data/step sizes.
     ``early_exit``: also build the early-exit adapters (``exit/``); a cache without them gets
     them added (a few minutes, once) without rebuilding the target or the draft.
     """
@@ -136,7 +133,7 @@ def build_demo_models(home: Path | str | None = None, *, force: bool = False, bu
         if early_exit:
             _ensure_exit(root)
         return root
-    from .build import BuildConfig, build
+    from .build import build  # the builder loads torch: only when a build runs
 
     root.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_builds(root.parent)

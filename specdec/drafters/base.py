@@ -44,8 +44,5 @@ class Drafter(Protocol):
         self, seq_id: str, context: list[int], k: int, params: SamplingParams, seed: int
     ) -> Proposal: ...
 
-    def observe(self, seq_id: str, proposed: int, accepted: int) -> None:
-        """Told after each round how many of its proposals the target accepted."""
-
     def release(self, seq_id: str) -> None:
         """The sequence finished: drop any state kept for it."""

@@ -4,7 +4,7 @@ the full target verifies, exactly as for any other drafter.
 The drafter holds no model and no cache of its own. It runs layers ``0 .. L-1`` of the target
 on the target's own per-sequence ``DynamicCache`` (the one in the target's ``ModelRunner``),
 then an exit head: the target's final norm and LM head (a raw exit) or a trained adapter
-(``specdec.demo.exit_adapter``). Only the target's layer stack is borrowed; its weights are
+(``specdec.models.exit_adapter``). Only the target's layer stack is borrowed; its weights are
 never written.
 
 Cache reuse, and why the verify pass stays exact. Between calls the runner's invariant holds:
@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from specdec.drafters.base import EMPTY_PROPOSAL, Proposal
+from specdec.models.exit_adapter import load_exit_adapter
 from specdec.runner import ModelRunner
 from specdec.sampling import SamplingParams, logits_to_probs, make_generator
 
@@ -212,9 +213,6 @@ class EarlyExitDrafter:
             feed = token
         return Proposal(tokens=tokens, probs=torch.stack(rows) if rows else None)
 
-    def observe(self, seq_id: str, proposed: int, accepted: int) -> None:
-        pass  # the verify pass already rolled the shared cache back to the accepted length
-
     def release(self, seq_id: str) -> None:
         pass  # the cache is the target's: the target releases it
 
@@ -227,8 +225,6 @@ def exit_parts(
     or a raw exit at ``exit_layer``."""
     head = None
     if adapter:
-        from specdec.demo.exit_adapter import load_exit_adapter
-
         head = load_exit_adapter(adapter, dtype=dtype, target_config=model.config)
         head = head.to(next(model.parameters()).device)
         if exit_layer is not None and head.exit_layer != exit_layer:

@@ -40,9 +40,6 @@ class ModelDrafter:
             ids.append(token)
         return Proposal(tokens=tokens, probs=torch.stack(rows) if rows else None)
 
-    def observe(self, seq_id: str, proposed: int, accepted: int) -> None:
-        pass  # the next propose() reconciles the cache with the accepted tokens
-
     def release(self, seq_id: str) -> None:
         self.runner.release(seq_id)
 

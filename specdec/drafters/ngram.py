@@ -50,8 +50,5 @@ class NgramDrafter:
             return EMPTY_PROPOSAL
         return Proposal(tokens=prompt_lookup(context, k, self.min_ngram, self.max_ngram))
 
-    def observe(self, seq_id: str, proposed: int, accepted: int) -> None:
-        pass
-
     def release(self, seq_id: str) -> None:
         pass

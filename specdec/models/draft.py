@@ -1,4 +1,4 @@
-"""The demo draft model: a small Llama on the target's frozen embeddings with a reduced LM head.
+"""The reduced-head draft model: a small Llama on the target's frozen embeddings with a reduced LM head.
 
 On-disk format (a directory):
 
@@ -15,6 +15,9 @@ On-disk format (a directory):
 Hugging Face causal LM: ``model(input_ids=..., past_key_values=DynamicCache(), use_cache=True)``.
 ``out.logits`` is ``[batch, n, V]`` float32 over the FULL vocabulary; columns outside the reduced
 head vocabulary are ``-inf`` so softmax/sampling over it is exact w.r.t. the reported q.
+
+File names: :mod:`specdec.models.files`. The demo builds and trains this model
+(``specdec.demo.build``); nothing here depends on how.
 """
 
 from __future__ import annotations
@@ -27,11 +30,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-MARKER = "specdec_draft.json"
-WEIGHTS = "draft.safetensors"
-EMBEDDINGS = "embeddings.safetensors"
-FORMAT = "specdec-draft"
-VERSION = 1
+from specdec.models.files import DRAFT_EMBEDDINGS, DRAFT_FILES, DRAFT_FORMAT, DRAFT_MARKER, DRAFT_VERSION, DRAFT_WEIGHTS
 
 
 class ReducedHeadLlamaForCausalLM(LlamaForCausalLM):
@@ -79,7 +78,7 @@ def draft_llama_config(target_config: LlamaConfig | dict, num_layers: int) -> Ll
 
 def draft_files(path: Path) -> list[Path]:
     path = Path(path)
-    return [path / MARKER, path / WEIGHTS, path / EMBEDDINGS]
+    return [path / name for name in DRAFT_FILES]
 
 
 def save_draft(model: ReducedHeadLlamaForCausalLM, path: Path, extra: dict | None = None) -> None:
@@ -91,20 +90,20 @@ def save_draft(model: ReducedHeadLlamaForCausalLM, path: Path, extra: dict | Non
     sd = model.state_dict()
     emb = {"model.embed_tokens.weight": sd.pop("model.embed_tokens.weight").to(torch.bfloat16).contiguous()}
     own = {k: (v if k == "token_ids" else v.to(torch.bfloat16)).contiguous() for k, v in sd.items()}
-    save_file(emb, str(path / EMBEDDINGS))
-    save_file(own, str(path / WEIGHTS))
+    save_file(emb, str(path / DRAFT_EMBEDDINGS))
+    save_file(own, str(path / DRAFT_WEIGHTS))
     meta = {
-        "format": FORMAT,
-        "version": VERSION,
+        "format": DRAFT_FORMAT,
+        "version": DRAFT_VERSION,
         "llama_config": model.config.to_dict(),
         "head_vocab_size": int(model.head_vocab_size),
         "full_vocab_size": int(model.config.vocab_size),
-        "weights": WEIGHTS,
-        "embeddings": EMBEDDINGS,
+        "weights": DRAFT_WEIGHTS,
+        "embeddings": DRAFT_EMBEDDINGS,
         "trained_parameters": int(sum(v.numel() for k, v in own.items() if k != "token_ids")),
         **(extra or {}),
     }
-    (path / MARKER).write_text(json.dumps(meta, indent=2, default=str))
+    (path / DRAFT_MARKER).write_text(json.dumps(meta, indent=2, default=str))
 
 
 def is_draft_dir(path: Path) -> bool:
@@ -116,17 +115,17 @@ def load_draft(path, dtype: torch.dtype = torch.float32) -> ReducedHeadLlamaForC
     from safetensors.torch import load_file
 
     path = Path(path)
-    meta = json.loads((path / MARKER).read_text())
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{path / MARKER} is not a specdec draft marker")
+    meta = json.loads((path / DRAFT_MARKER).read_text())
+    if meta.get("format") != DRAFT_FORMAT:
+        raise ValueError(f"{path / DRAFT_MARKER} is not a specdec draft marker")
     cfg_d = dict(meta["llama_config"])
     cfg_d.pop("transformers_version", None)
     cfg = LlamaConfig(**cfg_d)
     cfg.dtype = dtype
     with torch.device("meta"):
         model = ReducedHeadLlamaForCausalLM(cfg, int(meta["head_vocab_size"]))
-    sd = load_file(str(path / meta.get("weights", WEIGHTS)))
-    sd.update(load_file(str(path / meta.get("embeddings", EMBEDDINGS))))
+    sd = load_file(str(path / meta.get("weights", DRAFT_WEIGHTS)))
+    sd.update(load_file(str(path / meta.get("embeddings", DRAFT_EMBEDDINGS))))
     sd = {k: (v if k == "token_ids" else v.to(dtype)) for k, v in sd.items()}
     # rotary inv_freq is a non-persistent buffer: materialise the module then load.
     model = model.to_empty(device="cpu")

@@ -10,9 +10,19 @@ drafts of every round; and a table of the rounds. Hovering any mark shows its at
 from __future__ import annotations
 
 import math
+import time
 from html import escape
 
-from specdec.traces import SpanRecord, Trace, fmt, local_time
+from specdec.tracing.reader import SpanRecord, Trace
+
+
+def local_time(ns: int) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ns / 1e9))
+
+
+def fmt(x: float | None, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
 
 # --- show: a terminal waterfall --------------------------------------------------------
 

@@ -5,9 +5,9 @@ For each colocation mode it starts the application on a local Ray, sends greedy
 tokens/s with the same requests through ``Engine.generate`` in this process. With
 ``--tracing both`` it also compares the served tokens/s with tracing on and off.
 
-    python -m specdec.bench.serving --max-tokens 128 --repeats 3
+    python -m deployments.bench_serving --max-tokens 128 --repeats 3
 
-Imports Ray: it lives in the bench, not in the library's import path.
+It measures the Serve layer, so it lives with it (the library never imports ``deployments``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,40 @@
+"""How well and how fast a demo draft runs: greedy top-1 agreement with the target's teacher
+data, and the time of one cached decode step (the cost ratio c = draft step / target step).
+Phase 6 of the demo build; the exit adapters' build times its draft steps the same way."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+@torch.no_grad()
+def agreement(draft, examples: list[dict]) -> float:
+    hit = tot = 0
+    for ex in examples:
+        out = draft(input_ids=ex["ids"][None], use_cache=False)
+        pred = out.logits[0, ex["pos"]].argmax(-1)
+        hit += (pred == ex["top_i"][:, 0].long()).sum().item()
+        tot += len(ex["pos"])
+    return hit / max(1, tot)
+
+
+@torch.no_grad()
+def step_time(model, n_prompt: int = 64, n_steps: int = 24, seed: int = 0, vocab: int = 8000) -> float:
+    from transformers import DynamicCache
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (1, n_prompt), generator=g)
+    times = []
+    for rep in range(2):
+        cache = DynamicCache()
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+        nxt = out.logits[:, -1:].argmax(-1)
+        for _ in range(n_steps):
+            t = time.perf_counter()
+            out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
+            times.append(time.perf_counter() - t)
+            nxt = out.logits[:, -1:].argmax(-1)
+    times = sorted(times[n_steps:])
+    return sum(times[: len(times) * 3 // 4]) / (len(times) * 3 // 4)

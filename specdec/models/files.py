@@ -1,0 +1,23 @@
+"""On-disk names of the model directories in :mod:`specdec.models` (standard library only).
+
+A draft directory: ``DRAFT_MARKER`` (marker + config, written last), ``DRAFT_WEIGHTS``,
+``DRAFT_EMBEDDINGS`` and a copy of the tokenizer. An exit adapter directory: ``EXIT_MARKER``
+(written last) and ``EXIT_WEIGHTS``. The demo's ``exit/`` directory holds ``layer{L}`` adapter
+directories and ``EXIT_SUMMARY``, written when the build is complete.
+"""
+
+from __future__ import annotations
+
+DRAFT_MARKER = "specdec_draft.json"
+DRAFT_WEIGHTS = "draft.safetensors"
+DRAFT_EMBEDDINGS = "embeddings.safetensors"
+DRAFT_FILES = (DRAFT_MARKER, DRAFT_WEIGHTS, DRAFT_EMBEDDINGS)
+DRAFT_FORMAT = "specdec-draft"
+DRAFT_VERSION = 1
+
+EXIT_MARKER = "specdec_exit.json"
+EXIT_WEIGHTS = "exit.safetensors"
+EXIT_FILES = (EXIT_MARKER, EXIT_WEIGHTS)
+EXIT_FORMAT = "specdec-exit"
+EXIT_VERSION = 1
+EXIT_SUMMARY = "exit.json"

@@ -1,0 +1,9 @@
+"""Request traces on disk: what ``specdec.telemetry`` writes and what ``specdec traces`` reads.
+
+    format   the span and attribute names, the span files and their exporter (the writer side)
+    reader   span files read back into one ``Trace`` per request
+    view     one trace drawn: a terminal waterfall and a self-contained HTML page
+    cli      the ``specdec traces`` commands (list / show / summary)
+
+Each imports only those above it.
+"""
