@@ -7,6 +7,7 @@ from ray.serve.config import BackpressureConfig
 
 from deployments.config import (
     INGRESS_MAX_ONGOING, INGRESS_MAX_QUEUED, RETRY_AFTER_S, UNIT_MAX_QUEUED, AppArgs, UnitArgs, resolve_models,
+    router_name,
 )
 from deployments.ingress import Ingress
 from deployments.router import SpecRouter
@@ -35,7 +36,7 @@ def unit_bundles(args: UnitArgs) -> list[dict]:
     return bundles
 
 
-def build_unit(args: dict | UnitArgs, **options) -> Application:
+def build_unit(args: dict | UnitArgs, name: str = "SpecRouter", **options) -> Application:
     """The SpecRouter deployment (one replica = one co-located unit), bound to its args.
 
     ``options`` are extra deployment options (``num_replicas``, ...); serve_config.yaml's
@@ -45,6 +46,7 @@ def build_unit(args: dict | UnitArgs, **options) -> Application:
     unit = unit.model_copy(update={"models": resolve_models(unit.models)})
     bundles = unit_bundles(unit)
     return SpecRouter.options(
+        name=name,
         placement_group_bundles=bundles,
         placement_group_strategy="STRICT_PACK",
         ray_actor_options={"num_cpus": bundles[0]["CPU"], "num_gpus": bundles[0].get("GPU", 0)},
@@ -65,12 +67,15 @@ def bind_app(args: dict, **router_options) -> Application:
     serve_config.yaml sets them under ``deployments:``.
     """
     parsed = AppArgs.model_validate(args)
-    unit = UnitArgs.model_validate(parsed.model_dump(exclude={"ingress_cpus", "api_keys"}))
-    name = resolve_models(parsed.models).name
-    router = build_unit(unit, **router_options)
+    first = UnitArgs.model_validate(parsed.model_dump(exclude={"ingress_cpus", "api_keys", "units"}))
+    routes = []
+    for index, unit in enumerate([first, *parsed.units]):
+        models = resolve_models(unit.models)
+        router = build_unit(unit, router_name(index), **(router_options if index == 0 else {}))
+        routes.append({"router": router, "names": models.names, "fingerprint": models.fingerprint})
     # The ingress only forwards: the units' own limits (max_concurrent_requests, their queues)
     # must apply, not Serve's default of 5 requests per replica.
     return Ingress.options(
         ray_actor_options={"num_cpus": parsed.ingress_cpus}, max_ongoing_requests=INGRESS_MAX_ONGOING,
         **_admission(INGRESS_MAX_QUEUED),
-    ).bind(router, name, parsed.api_keys, parsed.limits.model_dump())
+    ).bind(routes, parsed.api_keys, parsed.limits.model_dump())

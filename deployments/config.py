@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from specdec.config import ModelConfig, SpeculationConfig
 
@@ -152,10 +152,29 @@ class UnitArgs(_Strict):
 
 
 class AppArgs(UnitArgs):
-    """``args:`` of the application: the unit's arguments plus the ingress's."""
+    """``args:`` of the application: the unit's arguments plus the ingress's, and more units."""
 
     ingress_cpus: float = Field(0.1, ge=0)
     api_keys: list[str] | None = Field(
         None, description="Keys clients must send as 'Authorization: Bearer <key>' on every /v1 route "
         "(SPECDEC_API_KEY adds comma-separated keys from the environment; keep keys out of configs in git)."
     )
+    units: list[UnitArgs] = Field(
+        default_factory=list, description="More models in this application, one unit each (deployments "
+        "SpecRouter-1, SpecRouter-2, ...), routed by the request's `model`; the top-level unit is the first."
+    )
+
+    @model_validator(mode="after")
+    def _one_unit_per_name(self) -> "AppArgs":
+        seen: set[str] = set()
+        for unit in [self, *self.units]:
+            clash = seen & set(unit.models.names)
+            if clash:
+                raise ValueError(f"model name {sorted(clash)[0]!r} is served by two units: names must be unique")
+            seen |= set(unit.models.names)
+        return self
+
+
+def router_name(index: int) -> str:
+    """The deployment of the application's ``index``-th unit (0: the top-level one)."""
+    return "SpecRouter" if index == 0 else f"SpecRouter-{index}"

@@ -7,6 +7,7 @@ import math
 import os
 import time
 import uuid
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -65,8 +66,9 @@ class _Response:
     """Assembles OpenAI completion / chat completion objects from the router's events."""
 
     def __init__(self, request_id: str, model: str, chat: bool, return_token_ids: bool, start: dict,
-                 include_usage: bool = False):
+                 include_usage: bool = False, fingerprint: str | None = None):
         self.id, self.model, self.chat = request_id, model, chat
+        self.fingerprint = fingerprint
         self.return_token_ids, self.include_usage = return_token_ids, include_usage
         self.created = int(time.time())
         self.text: list[str] = []
@@ -110,6 +112,7 @@ class _Response:
             "object": self.object,
             "created": self.created,
             "model": self.model,
+            "system_fingerprint": self.fingerprint,
             "choices": [choice],
             "usage": self._usage(),
             "speculation": self.end["speculation"],
@@ -124,7 +127,8 @@ class _Response:
         if self.return_token_ids and token_ids is not None:
             choice["token_ids"] = token_ids
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": self.fingerprint, "choices": [choice]}
 
     async def sse(self, events):
         """The stream's chunks; it always ends with ``[DONE]``, after an error object if the
@@ -147,9 +151,24 @@ class _Response:
             yield _sse(last)
             if self.include_usage:  # OpenAI: one more chunk, no choices, the usage
                 usage = {"id": self.id, "object": last["object"], "created": self.created, "model": self.model,
+                         "system_fingerprint": self.fingerprint,
                          "choices": [], "usage": self._usage()}
                 yield _sse(usage)
         yield _sse("[DONE]")
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """Where requests for one model go, and what their responses say."""
+
+    router: DeploymentHandle
+    name: str  # the model's first name: responses carry it
+    fingerprint: str
+
+
+def _model_not_found(name: str) -> JSONResponse:
+    shown = name[:200].encode("utf-8", "backslashreplace").decode("utf-8")  # lone surrogates too
+    return _error(404, f"the model '{shown}' does not exist", param="model", code="model_not_found")
 
 
 def _unit_failed(exc: BaseException) -> str:
@@ -190,25 +209,39 @@ def _unit_request(body, inputs: dict, http: Request, request_id: str) -> UnitReq
 @serve.deployment(name="Ingress")
 @serve.ingress(app)
 class Ingress:
-    def __init__(self, router: DeploymentHandle, model_name: str, keys: list[str] | None = None,
-                 request_limits: dict | None = None):
+    def __init__(self, routes: list[dict], keys: list[str] | None = None, request_limits: dict | None = None):
+        """``routes``: one per unit, ``{"router": handle, "names": [...], "fingerprint": str}``."""
         auth.set_keys(auth.api_keys(keys))
         limits.set_limits(RequestLimits.model_validate(request_limits or {}))
         if os.environ.get(proxy.CALLBACK_ENV) != proxy.CALLBACK:
             log.warning("%s is not %s: clients can switch off the proxy's request timeout with "
                         "x-request-timeout-seconds", proxy.CALLBACK_ENV, proxy.CALLBACK)
-        self.router = router.options(stream=True)
-        self.model_name = model_name
+        self.model_names: list[str] = []  # every unit's names, in order
+        self.units: dict[str, _Unit] = {}  # by every name a client may send
+        for route in routes:
+            unit = _Unit(route["router"].options(stream=True), route["names"][0], route["fingerprint"])
+            for name in route["names"]:  # aliases: responses carry the unit's first name
+                self.units[name] = unit
+                self.model_names.append(name)
         self.created = int(time.time())
 
     @app.get("/health")
     async def health(self) -> dict:
         return {"status": "ok"}
 
+    def _card(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "specdec",
+                "root": self.units[name].name}
+
     @app.get("/v1/models")
     async def models(self) -> dict:
-        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "specdec"}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [self._card(name) for name in self.model_names]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(self, model_id: str):
+        if model_id not in self.model_names:
+            return _model_not_found(model_id)
+        return self._card(model_id)
 
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):
@@ -220,9 +253,9 @@ class Ingress:
         return await self._serve(body, {"messages": messages}, request, chat=True)
 
     async def _serve(self, body, inputs: dict, http: Request, *, chat: bool):
-        if body.model != self.model_name:
-            shown = body.model[:200].encode("utf-8", "backslashreplace").decode("utf-8")  # lone surrogates too
-            return _error(404, f"the model '{shown}' does not exist", param="model", code="model_not_found")
+        unit = self.units.get(body.model)
+        if unit is None:
+            return _model_not_found(body.model)
         if refused := body.refuse_unsupported():
             return _error(400, refused[1], param=refused[0], code="unsupported")
         if broken := limits.check_request(body, limits.current()):
@@ -232,7 +265,7 @@ class Ingress:
         serve_id = serve.context._get_serve_request_context().request_id or uuid.uuid4().hex
         request_id = ("chatcmpl-" if chat else "cmpl-") + serve_id
         req = _unit_request(body, inputs, http, request_id)
-        events = self.router.generate.remote(req)
+        events = unit.router.generate.remote(req)
         try:
             first = await events.__anext__()
         except BackPressureError as exc:  # the unit's queue is full: say when to retry
@@ -248,7 +281,8 @@ class Ingress:
         headers = {"x-specdec-mode": first["mode"]}
         if first.get("traceparent"):  # the request span: find it with `specdec traces show`
             headers["traceparent"] = first["traceparent"]
-        response = _Response(request_id, self.model_name, chat, body.return_token_ids, first, body.include_usage)
+        response = _Response(request_id, unit.name, chat, body.return_token_ids, first,
+                             body.include_usage, unit.fingerprint)
         if body.stream:
             return StreamingResponse(
                 response.sse(events), media_type="text/event-stream", headers=headers

@@ -25,7 +25,7 @@ from ray.serve.config import AutoscalingConfig, AutoscalingPolicy
 from ray.serve.schema import RayActorOptionsSchema, ServeDeploySchema
 
 from deployments.autoscaling import POLICY_PATH
-from deployments.config import INGRESS_MAX_ONGOING, INGRESS_MAX_QUEUED, UNIT_MAX_QUEUED, AppArgs
+from deployments.config import INGRESS_MAX_ONGOING, INGRESS_MAX_QUEUED, UNIT_MAX_QUEUED, AppArgs, router_name
 from specdec.policy import PolicyConfig
 
 # Dict-typed fields that Ray validates against a model later (or not at all).
@@ -36,7 +36,10 @@ _DICT_FIELDS: dict[str, type[BaseModel]] = {
     "autoscaling_policy": AutoscalingPolicy,
 }
 _FREE_FORM = {"args", "user_config", "runtime_env", "resources", "logging_config", "policy_kwargs"}
-_OUR_DEPLOYMENTS = {"SpecRouter", "Ingress"}  # what deployments.app builds
+def _our_deployments(app: dict) -> list[str]:
+    """What deployments.app builds for ``app``: the Ingress and one SpecRouter per unit."""
+    units = (app.get("args") or {}).get("units") or []
+    return ["Ingress", *(router_name(i) for i in range(1 + (len(units) if isinstance(units, list) else 0)))]
 
 
 def _model_of(annotation) -> type[BaseModel] | None:
@@ -280,11 +283,11 @@ def lint_config(config) -> list[str]:
             where = f"applications[{i}].deployments[{j}]"
             if "autoscaling_config" in dep:
                 problems += _lint_autoscaling(dep["autoscaling_config"], f"{where}.autoscaling_config")
-            if ours and dep.get("name") not in _OUR_DEPLOYMENTS:
-                problems.append(f"{where}.name: {dep.get('name')!r} is not one of {sorted(_OUR_DEPLOYMENTS)}")
+            if ours and dep.get("name") not in _our_deployments(app):
+                problems.append(f"{where}.name: {dep.get('name')!r} is not one of {_our_deployments(app)}")
             if ours and dep.get("name") == "SpecRouter":
                 problems += _lint_router_capacity(app, dep, where)
-            if dep.get("name") == "SpecRouter" and "user_config" in dep:
+            if str(dep.get("name", "")).startswith("SpecRouter") and "user_config" in dep:
                 try:
                     PolicyConfig.model_validate(dep["user_config"] or {})
                 except ValidationError as exc:

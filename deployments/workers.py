@@ -25,8 +25,7 @@ from specdec.batch.runner import BatchRow
 from specdec.batch.target import StepResult, TargetRow
 from specdec.config import ModelConfig, SpeculationConfig
 from specdec.decoding import DraftUnavailable
-from specdec.engine import load_draft_step, load_target_step
-from specdec.runner import load_tokenizer
+from specdec.engine import load_draft_step, load_target_step, target_tokenizer
 
 log = logging.getLogger("ray.serve")
 
@@ -49,7 +48,7 @@ class TargetWorker:
         kv_cache_tokens: int | None = None,
     ):
         _setup_process("specdec-target", trace_sample_ratio, torch_threads)
-        self.target, self._eos = load_target_step(models, speculation, load_tokenizer(models.target), kv_cache_tokens)
+        self.target, self._eos = load_target_step(models, speculation, target_tokenizer(models), kv_cache_tokens)
 
     def info(self) -> dict:
         return {"max_length": self.target.max_length, "eos_token_ids": self._eos,

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from specdec import __version__
 
 Mode = Literal["auto", "draft", "ngram", "early_exit", "off"]  # what a request or a config may ask for
 MODES: tuple[str, ...] = get_args(Mode)
@@ -20,8 +23,22 @@ class ModelConfig(_Strict):
     draft: str | None = Field(
         None, description="Draft model with the target's tokenizer; None disables mode 'draft'."
     )
-    served_model_name: str | None = Field(
-        None, description="The name clients send as `model`; defaults to the target's path."
+    served_model_name: str | list[str] | None = Field(
+        None, description="The name clients send as `model` (several: aliases, the first is the one "
+        "responses carry); defaults to the target's path (vLLM's --served-model-name)."
+    )
+    revision: str | None = Field(
+        None, description="The target's hub revision (a branch, tag or commit): pin it in production."
+    )
+    draft_revision: str | None = Field(None, description="The draft's hub revision.")
+    tokenizer: str | None = Field(
+        None, description="Where the tokenizer comes from (a hub id or a path); default: the target."
+    )
+    trust_remote_code: bool = Field(
+        False, description="Run model code shipped with a hub repository. Off unless you trust it."
+    )
+    max_model_len: int | None = Field(
+        None, ge=16, description="Cap the context (prompt + output) below the model's own; None: the model's."
     )
     dtype: DType = Field(
         "bfloat16",
@@ -48,11 +65,33 @@ class ModelConfig(_Strict):
     )
 
     @property
+    def names(self) -> list[str]:
+        """Every name the model answers to; the first is the one responses carry."""
+        if isinstance(self.served_model_name, list):
+            return list(self.served_model_name) or [self.target]
+        return [self.served_model_name or self.target]
+
+    @property
     def name(self) -> str:
-        return self.served_model_name or self.target
+        return self.names[0]
+
+    @property
+    def fingerprint(self) -> str:
+        """OpenAI's ``system_fingerprint``: the build and what changes greedy output (the dtype:
+        bf16 rounds differently at near-ties), plus a hash of the whole model configuration."""
+        digest = hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:10]
+        return f"specdec-{__version__}-{self.dtype}-{digest}"
+
+
+# vLLM's speculative_config names, accepted so that a vLLM user can move a config over.
+VLLM_METHODS = {"ngram": "ngram", "draft_model": "draft"}
+VLLM_NAMES = {"method": "mode", "prompt_lookup_min": "ngram_min", "prompt_lookup_max": "ngram_max"}
 
 
 class SpeculationConfig(_Strict):
+    """How the unit speculates. vLLM's names are aliases: ``method`` (``ngram``, ``draft_model``),
+    ``num_speculative_tokens``, ``prompt_lookup_min`` / ``prompt_lookup_max``."""
+
     mode: Mode = Field("auto", description="Default mode; a request may ask for another.")
     num_speculative_tokens: int = Field(
         4, ge=1, le=32, description="k: more drafts pay when acceptance is high, cost when it is low."
@@ -67,6 +106,26 @@ class SpeculationConfig(_Strict):
         "this (adaptive draft length at no extra cost); 0 always drafts k. Higher saves draft steps "
         "that would likely be rejected, but also cuts rounds that would have been accepted.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _vllm_names(cls, data):
+        if not isinstance(data, dict) or not any(k in data for k in VLLM_NAMES):
+            return data
+        data = dict(data)
+        for theirs, ours in VLLM_NAMES.items():
+            if theirs not in data:
+                continue
+            if ours in data:
+                raise ValueError(f"{theirs} is vLLM's name for {ours}: give one of them")
+            value = data.pop(theirs)
+            if theirs == "method":
+                if value not in VLLM_METHODS:
+                    raise ValueError(f"method {value!r}: this server implements {sorted(VLLM_METHODS)} of vLLM's "
+                                     "methods (mode: auto, draft, ngram, early_exit, off)")
+                value = VLLM_METHODS[value]
+            data[ours] = value
+        return data
 
     @model_validator(mode="after")
     def _ngram_range(self) -> "SpeculationConfig":

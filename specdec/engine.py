@@ -28,7 +28,7 @@ from specdec.runner import load_model, load_tokenizer
 from specdec.sampling import SamplingParams
 from specdec.stats import SpeculationSummary
 
-__all__ = ["Completion", "Engine", "Event", "PromptTooLong", "eos_token_ids", "load_draft_step", "load_target_step", "local_parts"]
+__all__ = ["Completion", "Engine", "Event", "PromptTooLong", "eos_token_ids", "draft_tokenizer", "load_draft_step", "load_target_step", "local_parts", "target_tokenizer"]
 
 
 @dataclass
@@ -83,7 +83,7 @@ class Engine:
              kv_cache_tokens: int | None = None, max_num_seqs: int = 16, step_tokens: int = 512) -> "Engine":
         """Both models in this process."""
         speculation = speculation or SpeculationConfig()
-        tokenizer = load_tokenizer(models.target)
+        tokenizer = target_tokenizer(models)
         target, draft, modes, eos = local_parts(models, speculation, tokenizer, kv_cache_tokens)
         return cls.from_parts(tokenizer, target, draft, modes, eos_token_ids=eos,
                               capacity_tokens=target.runner.capacity, max_length=target.max_length,
@@ -253,9 +253,21 @@ def local_parts(models: ModelConfig, speculation: SpeculationConfig, tokenizer,
     target, eos = load_target_step(models, speculation, tokenizer, kv_cache_tokens)
     draft = None
     if models.draft:
-        check_same_vocabulary(tokenizer, load_tokenizer(models.draft))
+        check_same_vocabulary(tokenizer, draft_tokenizer(models))
         draft = load_draft_step(models, target.runner.capacity)
     return target, draft, available_modes(models), eos
+
+
+def target_tokenizer(models: ModelConfig):
+    """The tokenizer requests are encoded with: ``models.tokenizer``, else the target's own."""
+    if models.tokenizer:
+        return load_tokenizer(models.tokenizer, trust_remote_code=models.trust_remote_code)
+    return load_tokenizer(models.target, revision=models.revision, trust_remote_code=models.trust_remote_code)
+
+
+def draft_tokenizer(models: ModelConfig):
+    """The draft's own tokenizer (it must match the target's vocabulary)."""
+    return load_tokenizer(models.draft, revision=models.draft_revision, trust_remote_code=models.trust_remote_code)
 
 
 def available_modes(models: ModelConfig) -> list[str]:
@@ -271,8 +283,9 @@ def available_modes(models: ModelConfig) -> list[str]:
 def load_target_step(models: ModelConfig, speculation: SpeculationConfig, tokenizer,
                      kv_cache_tokens: int | None = None) -> tuple[TargetStep, frozenset[int]]:
     """The target model on its token pool, with its early-exit drafter when configured."""
-    target_model = load_model(models.target, models.dtype, models.device)
-    runner = BatchRunner(target_model, capacity_tokens=kv_cache_tokens)
+    target_model = load_model(models.target, models.dtype, models.device, revision=models.revision,
+                              trust_remote_code=models.trust_remote_code)
+    runner = BatchRunner(target_model, capacity_tokens=kv_cache_tokens, max_length=models.max_model_len)
     early_exit = None
     if models.early_exit_adapter or models.early_exit_layer is not None:
         stack, head = exit_parts(target_model, models.early_exit_layer, models.early_exit_adapter)
@@ -282,5 +295,6 @@ def load_target_step(models: ModelConfig, speculation: SpeculationConfig, tokeni
 
 def load_draft_step(models: ModelConfig, capacity_tokens: int) -> LocalDraft:
     """The draft model on a pool of the target's size (the step loop lays out both alike)."""
-    draft_model = load_model(models.draft, models.draft_dtype, models.device)
+    draft_model = load_model(models.draft, models.draft_dtype, models.device, revision=models.draft_revision,
+                             trust_remote_code=models.trust_remote_code)
     return LocalDraft(ModelBatchDrafter(BatchRunner(draft_model, capacity_tokens=capacity_tokens)))

@@ -32,14 +32,17 @@ def resolve_device(device: str = "auto") -> str:
     return device
 
 
-def load_model(name_or_path: str, dtype: str = "float32", device: str = "cpu") -> torch.nn.Module:
-    """Load a causal LM from a local path or a hub id, in eval mode, on ``device``."""
+def load_model(name_or_path: str, dtype: str = "float32", device: str = "cpu", *, revision: str | None = None,
+               trust_remote_code: bool = False) -> torch.nn.Module:
+    """Load a causal LM from a local path or a hub id (at ``revision``), in eval mode, on ``device``."""
     torch_dtype = DTYPES[dtype]
     # A project-built draft (reduced output vocabulary) carries this marker and its own loader.
     if (Path(name_or_path) / DRAFT_MARKER).exists():
         model = load_draft(name_or_path, dtype=torch_dtype)
     else:
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype)
+        model = AutoModelForCausalLM.from_pretrained(
+            name_or_path, dtype=torch_dtype, revision=revision, trust_remote_code=trust_remote_code
+        )
     return model.to(resolve_device(device)).eval()
 
 
@@ -48,8 +51,8 @@ def model_max_length(config) -> int | None:
     return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
 
 
-def load_tokenizer(name_or_path: str):
-    return AutoTokenizer.from_pretrained(name_or_path)
+def load_tokenizer(name_or_path: str, *, revision: str | None = None, trust_remote_code: bool = False):
+    return AutoTokenizer.from_pretrained(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:

@@ -35,28 +35,36 @@ LIMITS = {"max_body_bytes": 64 * 1024, "max_prompt_tokens": 64, "max_messages": 
           "default_max_tokens": 8, "max_seed": 2**31 - 1}
 
 
-def _args(pair, **extra) -> dict:
+def _args(pair, models: dict | None = None, **extra) -> dict:
     models = {"target": str(pair["target"]), "draft": str(pair["draft"]), "dtype": "float32",
-              "served_model_name": MODEL}
+              "served_model_name": MODEL, **(models or {})}
     return {"models": models, "colocation": "in_process", "limits": LIMITS, **extra}
 
 
 @pytest.fixture(scope="module")
-def server(llama_pair, tmp_path_factory):
+def server(llama_pair, gpt2_pair, tmp_path_factory):
     saved = {k: os.environ.get(k) for k in ("SPECDEC_HOME", CALLBACK_ENV)}
     os.environ["SPECDEC_HOME"] = str(tmp_path_factory.mktemp("specdec_home"))
     os.environ[CALLBACK_ENV] = CALLBACK  # the proxy (started by serve.start below) inherits it
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT, "request_timeout_s": 120},
                 logging_config={"enable_access_log": False})  # 10,000 access-log lines cost seconds
-    serve.run(bind_app(_args(llama_pair)), name="open", route_prefix="/open")
+    # vLLM's names for the speculation settings, an alias, the tokenizer named apart, a context cap.
+    models = {"served_model_name": [MODEL, "tiny-alias"], "tokenizer": str(llama_pair["target"]),
+              "max_model_len": 256}
+    speculation = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    serve.run(bind_app(_args(llama_pair, models=models, speculation=speculation)), name="open", route_prefix="/open")
     # A small unit for overload: 2 running + 4 queued; then 429 with Retry-After.
     small = _args(llama_pair, max_concurrent_requests=2, max_num_seqs=2)
     serve.run(bind_app(small, max_queued_requests=4,
                        backpressure_config=BackpressureConfig(status_code=429, retry_after_s=2)),
               name="small", route_prefix="/small")
     serve.run(bind_app(_args(llama_pair)), name="crash", route_prefix="/crash")
-    yield llama_pair
+    # Two models in one application: one unit each, routed by the request's model.
+    gpt2_unit = {"models": {"target": str(gpt2_pair["target"]), "dtype": "float32", "served_model_name": "tiny-gpt2"},
+                 "colocation": "in_process"}
+    serve.run(bind_app(_args(llama_pair, units=[gpt2_unit])), name="multi", route_prefix="/multi")
+    yield {"llama": llama_pair, "gpt2": gpt2_pair}
     serve.shutdown()
     ray.shutdown()
     for k, v in saved.items():
@@ -236,6 +244,57 @@ def test_include_usage_adds_a_usage_chunk_only_when_asked(server):
     got = list(client.completions.create(model=MODEL, prompt="The cat", max_tokens=4, stream=True,
                                          stream_options={"include_usage": True}))
     assert got[-1].usage.completion_tokens == 4 and got[-1].choices == []
+
+
+# --- models as users name them -------------------------------------------------------------------
+
+
+def test_aliases_model_cards_fingerprint_and_vllm_names(server):
+    listed = httpx.get(f"{BASE}/open/v1/models", timeout=60).json()
+    assert [m["id"] for m in listed["data"]] == [MODEL, "tiny-alias"]
+    card = httpx.get(f"{BASE}/open/v1/models/tiny-alias", timeout=60)
+    assert card.status_code == 200 and card.json()["id"] == "tiny-alias" and card.json()["root"] == MODEL
+    _check_error(httpx.get(f"{BASE}/open/v1/models/gpt-17", timeout=60), 404, "invalid_request_error", "model")
+    a, b = post(C, {**OK, "model": "tiny-alias"}), post(C, OK)
+    assert a.status_code == b.status_code == 200 and a.json()["model"] == MODEL  # responses carry the first name
+    fingerprint = a.json()["system_fingerprint"]
+    assert fingerprint == b.json()["system_fingerprint"] and "float32" in fingerprint
+    assert all(c["system_fingerprint"] == fingerprint for c in _stream({**OK, "max_tokens": 3}))
+    assert a.headers["x-specdec-mode"] == "ngram"  # speculation.method: ngram (vLLM's name) is the default
+    # max_model_len 256 caps the tiny model's 512 positions.
+    _check_error(post(C, {**OK, "max_tokens": 300}), 400, "invalid_request_error", "max_tokens")
+    assert post(C, {**OK, "max_tokens": 200, "ignore_eos": True}).json()["usage"]["completion_tokens"] == 200
+
+
+def test_two_models_in_one_application_are_routed_by_name(server):
+    from specdec.config import ModelConfig
+    from specdec.engine import Engine
+
+    listed = httpx.get(f"{BASE}/multi/v1/models", timeout=60).json()
+    assert [m["id"] for m in listed["data"]] == [MODEL, "tiny-gpt2"]
+    body = {**OK, "max_tokens": 12, "temperature": 0, "return_token_ids": True, "ignore_eos": True}
+    llama, gpt2 = post(C, body, app="multi").json(), post(C, {**body, "model": "tiny-gpt2"}, app="multi").json()
+    assert (llama["model"], gpt2["model"]) == (MODEL, "tiny-gpt2")
+    assert llama["system_fingerprint"] != gpt2["system_fingerprint"]
+    assert llama["choices"][0]["token_ids"] == post(C, body).json()["choices"][0]["token_ids"]  # the open app's llama
+    engine = Engine.load(ModelConfig(target=str(server["gpt2"]["target"]), dtype="float32"), kv_cache_tokens=1024)
+    alone = engine.generate(engine.encode(prompt=OK["prompt"]), max_tokens=12, mode="off", ignore_eos=True)
+    assert gpt2["choices"][0]["token_ids"] == alone.token_ids
+
+
+def test_the_openai_types_parse_every_shape_we_send(server):
+    """Completion and ChatCompletion bodies, and chat stream chunks (usage chunk included),
+    validate as the official client's pydantic types."""
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+    Completion.model_validate(post(C, OK).json())
+    ChatCompletion.model_validate(post(CHAT, MSG).json())
+    with httpx.stream("POST", f"{BASE}/open{CHAT}", timeout=60,
+                      json={**MSG, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    parsed = [ChatCompletionChunk.model_validate(c) for c in chunks]
+    assert parsed[0].choices[0].delta.role == "assistant" and parsed[-1].usage.completion_tokens == 2
 
 
 # --- the proxy drops a client's timeout overrides -----------------------------------------------

@@ -62,8 +62,10 @@ def default_capacity(config, dtype: torch.dtype, device: torch.device, max_lengt
 class BatchRunner:
     """One model, one token pool, many sequences. Thread-safe (one lock serialises passes)."""
 
-    def __init__(self, model: torch.nn.Module, *, capacity_tokens: int | None = None):
+    def __init__(self, model: torch.nn.Module, *, capacity_tokens: int | None = None,
+                 max_length: int | None = None):
         self.model = model
+        self._max_length = max_length  # the operator's cap (max_model_len), below the model's own
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         cfg = model.config
@@ -87,7 +89,8 @@ class BatchRunner:
 
     @property
     def max_length(self) -> int | None:
-        return model_max_length(self.model.config)
+        own = model_max_length(self.model.config)
+        return min(x for x in (own, self._max_length) if x) if (own or self._max_length) else None
 
     @property
     def lock(self) -> threading.RLock:
