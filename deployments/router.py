@@ -30,9 +30,8 @@ from deployments.protocol import UnitRequest
 from deployments.workers import DraftWorker, RemoteDraft, RemoteTarget, TargetWorker
 from specdec import telemetry
 from specdec.drafters.model import check_same_vocabulary
-from specdec.engine import Engine, PromptTooLong, available_modes
+from specdec.engine import Engine, PromptTooLong, available_modes, draft_tokenizer, target_tokenizer
 from specdec.policy import PolicyConfig
-from specdec.runner import load_tokenizer
 from specdec.sampling import SamplingParams
 from specdec.stats import SpeculationSummary
 
@@ -66,7 +65,7 @@ def build_engine(args: UnitArgs) -> tuple[Engine, dict]:
     sizes = dict(max_num_seqs=args.max_num_seqs, step_tokens=args.step_tokens)
     if args.colocation == "in_process":
         return Engine.load(models, spec, kv_cache_tokens=args.kv_cache_tokens, **sizes), {}
-    tokenizer = load_tokenizer(models.target)
+    tokenizer = target_tokenizer(models)
     res = args.resources
     target_actor = TargetWorker.options(
         **_worker_options("target", TARGET_BUNDLE, res.target_cpus, res.target_gpus)
@@ -75,7 +74,7 @@ def build_engine(args: UnitArgs) -> tuple[Engine, dict]:
     actors = {"target": target_actor}
     draft = None
     if models.draft:
-        check_same_vocabulary(tokenizer, load_tokenizer(models.draft))
+        check_same_vocabulary(tokenizer, draft_tokenizer(models))
         draft_actor = DraftWorker.options(
             **_worker_options("draft", DRAFT_BUNDLE, res.draft_cpus, res.draft_gpus)
         ).remote(models, info["capacity_tokens"], args.trace_sample_ratio, args.torch_threads)
@@ -118,7 +117,7 @@ class SpecRouter:
         self.engine, self.actors = build_engine(self.args)
         self.engine.max_token_bytes  # computed now (a vocabulary pass), not on the first request
         self._pool = ThreadPoolExecutor(max_workers=self.args.max_concurrent_requests)
-        self.metrics = UnitMetrics()
+        self.metrics = UnitMetrics(self.model_name)
         self.totals = UnitTotals()  # what the unit produced: its autoscaling capacity
         self._autoscaling_stats = StatsRecorder()
 
@@ -232,7 +231,7 @@ class SpecRouter:
                 if not done.rounds:
                     ttft = time.perf_counter() - start
                 done.rounds.append(event.stats)
-                self.metrics.round(event.stats)
+                self.metrics.event(event, mode)
                 self.totals.observe(event.stats)
                 done.produced += len(event.token_ids)
                 done.finish = event.finish_reason
@@ -245,8 +244,8 @@ class SpecRouter:
             traced.close()
             stream.close()
             self.metrics.set_active(mode, -1)
-        self.metrics.request(tokens=done.produced, ttft_s=ttft, total_s=time.perf_counter() - start,
-                             controller=done.controller)
+            self.metrics.request(mode, prompt_tokens=len(ids), tokens=done.produced, finish=done.finish or "error",
+                                 ttft_s=ttft, total_s=time.perf_counter() - start, controller=done.controller)
         return done
 
     async def generate(self, req: UnitRequest):

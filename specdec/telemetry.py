@@ -1,6 +1,8 @@
 """One OpenTelemetry trace per request: the spans, their attributes, and where they go.
 
-    request      the router, SERVER; a child of the caller's W3C ``traceparent`` if any
+    chat <model> the request, in the router, SERVER; named ``{gen_ai.operation.name}
+                 {gen_ai.request.model}`` as the GenAI conventions say (``text_completion tiny``);
+                 error.type when it fails. A child of the caller's W3C ``traceparent`` if any
                  (or, when incoming context is not trusted, a new root linked to it)
       prefill    round 0, the prompt (k = 0)
         verify   in the TargetWorker
@@ -13,9 +15,10 @@
 A round's span takes its times from ``RoundStats`` (draft from ``started_at``, verify after),
 so it can only be built after the round, yet the workers' spans need their parent *during*
 it. ``RequestTrace.rounds`` therefore reserves each round's span id before the round (our
-``IdGenerator`` hands that id out again when the span is built) and makes a non-recording
-span with that id current meanwhile: an ``inject()`` in a worker call carries the round's id,
-and the tree joins up. ``decode()`` needs no hook. The spans are built when the request ends.
+``IdGenerator`` hands that id out again when the span is built: see ``_ReservableIds``) and
+makes a non-recording span with that id current meanwhile: an ``inject()`` in a worker call
+carries the round's id, and the tree joins up. ``decode()`` needs no hook. The spans are built
+when the request ends.
 
 GenAI semantic-convention names where one exists (``gen_ai.request.model``,
 ``gen_ai.usage.output_tokens``, ...), ``specdec.*`` otherwise. Spans go through a
@@ -24,6 +27,11 @@ too when ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set (http/protobuf; grpc with
 ``OTEL_EXPORTER_OTLP_PROTOCOL=grpc`` if that exporter is installed). The files rotate and are
 pruned (``SPECDEC_TRACE_MAX_FILE_BYTES``, ``SPECDEC_TRACE_MAX_FILES``,
 ``SPECDEC_TRACE_MAX_TOTAL_BYTES``, or ``configure_tracing``'s keywords; see ``specdec.tracing.format``).
+Each line is OTLP/JSON, so a collector can replay the files.
+
+The standard environment variables apply: ``OTEL_SERVICE_NAME`` overrides the service name the
+code gives, ``OTEL_RESOURCE_ATTRIBUTES`` adds to the resource, and ``OTEL_TRACES_SAMPLER`` (with
+``OTEL_TRACES_SAMPLER_ARG``), when set, replaces the sampler ``sample_ratio`` would build.
 
 Trust. By default a request continues its caller's trace and keeps the caller's sampling
 decision: a ``traceparent`` with the sampled flag is traced whatever ``sample_ratio`` says.
@@ -83,13 +91,14 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
-from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+from opentelemetry.sdk.trace.sampling import ParentBased, Sampler, TraceIdRatioBased
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from specdec.decoding import RoundStats
 from specdec.stats import SpeculationSummary
 from specdec.tracing.format import (  # noqa: F401  (the attribute schema is part of this API)
+    ERROR_TYPE,
     EVENT_FALLBACK,
     EVENT_MODE_SWITCH,
     EVENT_PROBE,
@@ -99,6 +108,7 @@ from specdec.tracing.format import (  # noqa: F401  (the attribute schema is par
     Retention,
     default_trace_dir,
     request_attributes,
+    request_span_name,
     round_attributes,
 )
 
@@ -110,10 +120,24 @@ T = TypeVar("T")
 
 
 class _ReservableIds(RandomIdGenerator):
-    """Random ids, except that the next span id on a thread can be fixed in advance."""
+    """Random ids, except that the next span id drawn on a thread can be fixed in advance.
+
+    Why this and not something else: a round's span needs its id before the round (the
+    workers' spans point at it) but its start time only after (``RoundStats``). OpenTelemetry's
+    public API can neither give a started span an earlier start time nor create a span with a
+    chosen id: the SDK's ``Span`` refuses to be built outside a ``Tracer``, and a hand-made
+    ``ReadableSpan`` (which the SDK also asks users not to build) would skip the sampler, the
+    span limits and ``on_start``. The ``IdGenerator`` is the SDK's public extension point for
+    span ids (``TracerProvider(id_generator=)``), so the reservation lives there.
+
+    It assumes only that ``Tracer.start_span`` draws a recording span's id from the provider's
+    generator once, on the calling thread; ``start_span_with_id`` checks that it did, and logs
+    an error (once) if a future SDK breaks it: the round trees would come apart, not the server.
+    """
 
     def __init__(self) -> None:
         self._local = threading.local()
+        self.warned = False
 
     def generate_span_id(self) -> int:
         reserved = getattr(self._local, "span_id", None)
@@ -123,12 +147,17 @@ class _ReservableIds(RandomIdGenerator):
         return super().generate_span_id()
 
     def start_span_with_id(self, tracer: trace.Tracer, span_id: int, name: str, **kwargs) -> trace.Span:
-        """``tracer.start_span`` giving the span ``span_id`` (the tracer draws one id per span)."""
+        """``tracer.start_span`` giving the span ``span_id``."""
         self._local.span_id = span_id
         try:
-            return tracer.start_span(name, **kwargs)
+            span = tracer.start_span(name, **kwargs)
         finally:
             self._local.span_id = None
+        if span.is_recording() and span.get_span_context().span_id != span_id and not self.warned:
+            self.warned = True
+            log.error("the OpenTelemetry SDK did not take the reserved span id: round spans will not "
+                      "parent their worker spans (specdec.telemetry._ReservableIds needs updating)")
+        return span
 
 
 class _State:
@@ -158,10 +187,12 @@ def configure_tracing(
 ) -> TracerProvider | None:
     """Set up this process's tracer once; later calls return the first call's provider.
 
-    Spans go to ``directory`` (default ``$SPECDEC_HOME/traces``) as JSON lines, to OTLP when
-    ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set, and to any extra ``exporters``. Sampling is
-    ``ParentBased(TraceIdRatioBased(sample_ratio))``: a request keeps its caller's decision,
-    and the workers keep the router's. ``trust_incoming=False`` (or
+    Spans go to ``directory`` (default ``$SPECDEC_HOME/traces``) as OTLP/JSON lines, to OTLP
+    when ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set, and to any extra ``exporters``. Sampling is
+    ``ParentBased(TraceIdRatioBased(sample_ratio))`` (a request keeps its caller's decision,
+    and the workers keep the router's) unless ``OTEL_TRACES_SAMPLER`` names a sampler: the
+    operator's standard knob wins over the code's default. ``OTEL_SERVICE_NAME`` overrides
+    ``service_name``; ``OTEL_RESOURCE_ATTRIBUTES`` joins the resource. ``trust_incoming=False`` (or
     ``SPECDEC_TRACE_TRUST_INCOMING=0``) stops a caller's ``traceparent`` from deciding: see
     ``request_span``. ``max_file_bytes`` / ``max_files`` / ``max_total_bytes`` bound the span
     files (None: ``SPECDEC_TRACE_*`` from the environment, else ``Retention``'s
@@ -180,8 +211,10 @@ def configure_tracing(
         )
         _CONFIGURED = True
         ids = _ReservableIds()
+        service_name = os.environ.get("OTEL_SERVICE_NAME", "").strip() or service_name
         provider = TracerProvider(
-            sampler=ParentBased(TraceIdRatioBased(sample_ratio)),
+            sampler=_sampler(sample_ratio),
+            # Resource.create merges OTEL_RESOURCE_ATTRIBUTES (ours win on service.name)
             resource=Resource.create({"service.name": service_name}),
             id_generator=ids,
             shutdown_on_exit=False,  # our own atexit hook flushes (and survives shutdown())
@@ -196,6 +229,29 @@ def configure_tracing(
             provider.add_span_processor(BatchSpanProcessor(exporter))
         _STATE = _State(provider, ids, trust_incoming)
         return provider
+
+
+# the samplers OTEL_TRACES_SAMPLER may name that the SDK builds (the spec's list, less the
+# Jaeger-remote and X-Ray ones it has no code for)
+_ENV_SAMPLERS = frozenset({
+    "always_on", "always_off", "traceidratio",
+    "parentbased_always_on", "parentbased_always_off", "parentbased_traceidratio",
+})
+
+
+def _sampler(sample_ratio: float) -> Sampler | None:
+    """Our ``ParentBased(TraceIdRatioBased(sample_ratio))``, or None when ``OTEL_TRACES_SAMPLER``
+    names a sampler: the ``TracerProvider`` then builds it from the environment (with
+    ``OTEL_TRACES_SAMPLER_ARG``). A name the SDK does not know would make it fall back to
+    always-on; we keep our ratio instead, and say so."""
+    name = os.environ.get("OTEL_TRACES_SAMPLER", "").strip().lower()
+    if name in _ENV_SAMPLERS:
+        log.info("trace sampling from OTEL_TRACES_SAMPLER=%s (not trace_sample_ratio)", name)
+        return None
+    if name:
+        log.error("ignoring OTEL_TRACES_SAMPLER=%r: not one of %s; sampling at ratio %s",
+                  name, ", ".join(sorted(_ENV_SAMPLERS)), sample_ratio)
+    return ParentBased(TraceIdRatioBased(sample_ratio))
 
 
 def _env_off(name: str) -> bool:
@@ -288,7 +344,7 @@ def _ns(seconds: float) -> int:
 
 
 class RequestTrace:
-    """The open ``request`` span of one request and the rounds recorded under it.
+    """The open request span of one request and the rounds recorded under it.
 
     Between rounds (where a token waits) a round costs a few microseconds: its span id is
     reserved and its statistics kept; the ``prefill`` / ``round`` spans are built when the
@@ -424,25 +480,33 @@ _CURRENT: ContextVar[RequestTrace | None] = ContextVar("specdec_request_trace", 
 
 @contextmanager
 def request_span(
-    name: str = "request",
+    name: str | None = None,
     *,
     carrier: Mapping[str, str] | None = None,
     attributes: Mapping[str, Any] | None = None,
     trust_incoming: bool | None = None,
 ) -> Iterator[RequestTrace]:
-    """Open the request's root span and make it current for the block; an exception marks it
-    failed. With a trusted ``carrier`` (``trust_incoming``; None: as ``configure_tracing``
-    said; ``SPECDEC_TRACE_TRUST_INCOMING=0`` overrides both) the span is a child of its
+    """Open the request's root span and make it current for the block. Its name is the GenAI
+    conventions' ``{gen_ai.operation.name} {gen_ai.request.model}`` from ``attributes`` unless
+    ``name`` is given. An exception marks it failed, with ``error.type`` its class name. With
+    a trusted ``carrier`` (``trust_incoming``; None: as ``configure_tracing`` said;
+    ``SPECDEC_TRACE_TRUST_INCOMING=0`` overrides both) the span is a child of its
     ``traceparent`` and keeps its sampling decision; otherwise it starts a new trace sampled
-    by our own ratio, linked to the caller's span."""
+    by our own sampler, linked to the caller's span."""
+    attributes = dict(attributes or {})
     parent, links = _request_parent(carrier, trust_incoming)
     with _tracer().start_as_current_span(
-        name, context=parent, kind=SpanKind.SERVER, attributes=dict(attributes or {}), links=links
+        name or request_span_name(attributes), context=parent, kind=SpanKind.SERVER, attributes=attributes,
+        links=links,
     ) as span:
         request = RequestTrace(span)
         token = _CURRENT.set(request)
         try:
             yield request
+        except Exception as exc:
+            if span.is_recording():  # the SDK records the exception and the status as it leaves
+                span.set_attribute(ERROR_TYPE, type(exc).__qualname__)
+            raise
         finally:
             _CURRENT.reset(token)
             request._emit_rounds()

@@ -50,4 +50,9 @@ def test_request_span_is_a_child_of_serves_span(served):
         assert time.time() < deadline, "trace not written"
         time.sleep(0.5)
     # No traceparent was sent: a parent can only be Serve's own (ingress replica) span.
-    assert found[0].request.parent_id is not None
+    request = found[0].request
+    assert request.parent_id is not None
+    # named and marked by the GenAI conventions, read back from OTLP/JSON lines
+    assert request.name == "text_completion tiny" and request.kind == "SERVER"
+    assert request.attributes["gen_ai.provider.name"] == "specdec"
+    assert request.resource["service.name"] == "specdec-router"

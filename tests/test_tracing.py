@@ -23,6 +23,7 @@ import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
 
 import specdec.policy
 from specdec import telemetry
@@ -31,7 +32,8 @@ from specdec.decoding import DecodeRequest, decode
 from specdec.drafters.base import Proposal
 from specdec.policy import CostModel, ModeSwitch, PolicyConfig, SpeculationPolicy
 from specdec.tracing.format import JsonLinesSpanExporter, Retention
-from specdec.tracing.reader import find_trace, load_traces, span_files
+from specdec.tracing.otlp import span_dicts
+from specdec.tracing.reader import SpanRecord, find_trace, load_traces, span_files
 from specdec.tracing.view import render_html
 from specdec.verify import Verdict
 
@@ -115,12 +117,13 @@ def run_request(carrier=None):
 
 
 TRACE_ENV = ("SPECDEC_TRACE_MAX_FILE_BYTES", "SPECDEC_TRACE_MAX_FILES", "SPECDEC_TRACE_MAX_TOTAL_BYTES",
-             "SPECDEC_TRACE_TRUST_INCOMING")
+             "SPECDEC_TRACE_TRUST_INCOMING", "OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES", "OTEL_TRACES_SAMPLER",
+             "OTEL_TRACES_SAMPLER_ARG")
 
 
 @pytest.fixture(autouse=True)
 def _no_trace_settings_from_outside(monkeypatch):
-    """Retention and trust come from the tests, not from the shell that runs them."""
+    """Retention, trust, sampling and the resource come from the tests, not from the shell."""
     for var in TRACE_ENV:
         monkeypatch.delenv(var, raising=False)
 
@@ -159,12 +162,18 @@ def finished(memory):
     return memory.get_finished_spans()
 
 
+def requests(spans) -> list:
+    """The request spans (SERVER: the only kind we make there) among finished spans."""
+    return [s for s in spans if s.kind == SpanKind.SERVER]
+
+
 def test_span_tree_timings_and_events(tracing):
     stats = run_request()
     spans = finished(tracing)
     by_id = {s.context.span_id: s for s in spans}
-    (request,) = [s for s in spans if s.name == "request"]
-    assert request.parent is None
+    (request,) = requests(spans)
+    assert request.parent is None and request.name == "text_completion tiny"  # GenAI: "{operation} {model}"
+    assert request.attributes["gen_ai.provider.name"] == "specdec" and "error.type" not in request.attributes
     assert {s.context.trace_id for s in spans} == {request.context.trace_id}
     rounds = sorted((s for s in spans if s.name in ("prefill", "round")), key=lambda s: s.start_time)
     assert [s.name for s in rounds] == ["prefill"] + ["round"] * (len(stats) - 1)
@@ -229,8 +238,9 @@ def test_in_process_phases_and_a_failing_round(tracing):
             for step in trace.rounds(steps, phases=True):
                 stats.append(step.stats)
     spans = finished(tracing)
-    (request,) = [s for s in spans if s.name == "request"]
-    assert request.status.status_code.name == "ERROR"
+    (request,) = requests(spans)
+    assert request.status.status_code.name == "ERROR" and request.attributes["error.type"] == "RuntimeError"
+    assert request.name == "request"  # no GenAI operation named: the generic name
     rounds = sorted((s for s in spans if s.name in ("prefill", "round")), key=lambda s: s.start_time)
     assert len(rounds) == len(stats) + 1 == 4
     assert rounds[-1].status.status_code.name == "ERROR" and rounds[-1].events[0].name == "exception"
@@ -280,7 +290,7 @@ def test_incoming_traceparent_is_the_parent(tracing):
     trace_id, span_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
     run_request({"traceparent": f"00-{trace_id}-{span_id}-01"})
     spans = finished(tracing)
-    (request,) = [s for s in spans if s.name == "request"]
+    (request,) = requests(spans)
     assert f"{request.context.trace_id:032x}" == trace_id
     assert request.parent.is_remote and f"{request.parent.span_id:016x}" == span_id
     assert all(f"{s.context.trace_id:032x}" == trace_id for s in spans)
@@ -328,7 +338,7 @@ def test_an_untrusted_caller_gets_a_new_trace_linked_to_its_own(configure, tmp_p
     memory = configure(sample_ratio=1.0, trust_incoming=False)
     stats = run_request(SAMPLED_CALLER)
     spans = finished(memory)
-    (request,) = [s for s in spans if s.name == "request"]
+    (request,) = requests(spans)
     assert request.parent is None and f"{request.context.trace_id:032x}" != CALLER_TRACE
     (link,) = request.links
     assert (f"{link.context.trace_id:032x}", f"{link.context.span_id:016x}") == (CALLER_TRACE, CALLER_SPAN)
@@ -378,12 +388,14 @@ def write_spans(exporter, count: int, *, pad: int = 200) -> None:
 
 
 def lines_of(paths) -> list[dict]:
-    """Every line of ``paths``; each must be a whole JSON span."""
+    """Every line of ``paths`` as a flat span record; each must be one whole OTLP/JSON span."""
     out = []
     for path in paths:
         text = path.read_text()
         assert text.endswith("\n")
-        out += [json.loads(line) for line in text.splitlines()]
+        for line in text.splitlines():
+            (span,) = span_dicts(json.loads(line))
+            out.append(span)
     return out
 
 
@@ -441,13 +453,13 @@ def test_the_directory_cap_deletes_the_oldest_files_of_any_process(tmp_path):
         path.write_text('{"junk": 1}\n' * 100)  # 1200 bytes each, older first
         os.utime(path, (now - 300 + i * 60, now - 300 + i * 60))
         foreign[name] = path
-    exporter = JsonLinesSpanExporter(tmp_path, "svc", Retention(max_file_bytes=2048, max_files=8, max_total_bytes=5000))
-    write_spans(exporter, 7)  # 8 lines of ~520 bytes: two rotations, the cap enforced at each
+    exporter = JsonLinesSpanExporter(tmp_path, "svc", Retention(max_file_bytes=2600, max_files=8, max_total_bytes=6000))
+    write_spans(exporter, 7, pad=0)  # 8 lines of ~760 bytes, 3 a file: two rotations, the cap enforced at each
     exporter.shutdown()
     gone = [name for name, path in foreign.items() if not path.exists()]
     assert 0 < len(gone) < len(foreign) and gone == list(foreign)[: len(gone)]  # oldest first, only as needed
     assert exporter.path.exists()
-    assert sum(p.stat().st_size for p in tmp_path.glob("spans-*.jsonl")) <= 5000 + 2048
+    assert sum(p.stat().st_size for p in tmp_path.glob("spans-*.jsonl")) <= 6000 + 2600
 
 
 def test_a_span_file_deleted_under_the_writer_is_started_again(tmp_path):
@@ -488,7 +500,7 @@ def test_json_lines_read_back_by_the_cli(tracing, tmp_path, capsys):
     (path,) = tmp_path.glob("spans-test-router-*.jsonl")
     # the workers' spans live in another process's file; a killed process leaves a torn line
     lines = path.read_text().splitlines()
-    workers = [line for line in lines if json.loads(line)["name"] in ("draft", "verify")]
+    workers = [line for line in lines if SpanRecord.from_line(line)[0].name in ("draft", "verify")]
     path.write_text("".join(line + "\n" for line in lines if line not in workers) + lines[0][:40])
     (tmp_path / "spans-test-target-1.jsonl").write_text("".join(line + "\n" for line in workers))
 
@@ -664,7 +676,7 @@ def test_otlp_export_to_a_real_receiver(tmp_path, monkeypatch, protocol):
     spans = [span for _, span in receiver.received]
     assert {service for service, _ in receiver.received} == {"otlp-router"}
     by_id = {s.span_id: s for s in spans}
-    (request,) = [s for s in spans if s.name == "request"]
+    (request,) = [s for s in spans if s.kind == 2]  # SPAN_KIND_SERVER
     rounds = sorted((s for s in spans if s.name in ("prefill", "round")), key=lambda s: s.start_time_unix_nano)
     assert len(rounds) == len(stats) and all(r.parent_span_id == request.span_id for r in rounds)
     attrs = lambda s: {a.key: a.value for a in s.attributes}  # noqa: E731
@@ -703,3 +715,221 @@ def test_a_missing_otlp_exporter_keeps_the_json_lines_and_says_so(tmp_path, monk
     assert "opentelemetry-exporter-otlp-proto-http" in caplog.text
     (trace,) = load_traces(tmp_path)
     assert sum(1 for s in trace.spans if s.name in ("prefill", "round")) == len(stats)
+
+
+# --- the conventions: GenAI span names, the OTEL_* environment, OTLP/JSON files ---------
+
+
+def test_the_request_span_is_named_and_marked_as_the_genai_conventions_say(tracing):
+    """``{gen_ai.operation.name} {gen_ai.request.model}``, ``gen_ai.provider.name``, and on
+    failure ``error.type`` (the exception's class) besides the ERROR status."""
+    attrs = telemetry.request_attributes(operation="chat", model="SmolLM2-135M-Instruct", max_tokens=4)
+    with pytest.raises(TimeoutError):
+        with telemetry.request_span(attributes=attrs):
+            raise TimeoutError("the unit did not answer")
+    with telemetry.request_span(attributes=telemetry.request_attributes(operation="chat")):
+        pass  # no model named: the operation alone
+    with telemetry.request_span("custom", attributes=attrs):
+        pass
+    failed, no_model, custom = sorted(requests(finished(tracing)), key=lambda s: s.start_time)
+    assert failed.name == "chat SmolLM2-135M-Instruct"
+    assert failed.attributes["gen_ai.provider.name"] == "specdec"
+    assert failed.attributes["error.type"] == "TimeoutError" and failed.status.status_code.name == "ERROR"
+    assert no_model.name == "chat" and "error.type" not in no_model.attributes
+    assert custom.name == "custom"
+
+
+def test_service_name_and_resource_attributes_from_the_environment(configure, tmp_path, monkeypatch):
+    """OTEL_SERVICE_NAME beats the code's name; OTEL_RESOURCE_ATTRIBUTES joins the resource;
+    both reach the span files (the resource is on every OTLP/JSON line)."""
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "llm-gateway")
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment.name=staging,service.namespace=llm")
+    memory = configure()
+    run_request()
+    spans = finished(memory)
+    resource = spans[0].resource.attributes
+    assert resource["service.name"] == "llm-gateway"
+    assert resource["deployment.environment.name"] == "staging" and resource["service.namespace"] == "llm"
+    (trace,) = load_traces(tmp_path)
+    assert {s.service for s in trace.spans} == {"llm-gateway"}
+    assert trace.request.resource["deployment.environment.name"] == "staging"
+    assert [p.name.split("-")[1:3] for p in span_files(tmp_path)] == [["llm", "gateway"]]
+
+
+@pytest.mark.parametrize(
+    ("sampler", "arg", "traced"),
+    [
+        ("always_off", None, False),  # beats sample_ratio=1.0
+        ("traceidratio", "0", False),
+        ("parentbased_always_on", None, True),
+        ("no_such_sampler", None, True),  # logged and ignored: our ratio (1.0) holds
+    ],
+)
+def test_otel_traces_sampler_decides_when_set(configure, monkeypatch, caplog, sampler, arg, traced):
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", sampler)
+    if arg is None:
+        monkeypatch.delenv("OTEL_TRACES_SAMPLER_ARG", raising=False)
+    else:
+        monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", arg)
+    with caplog.at_level(logging.ERROR, logger="specdec.telemetry"):
+        memory = configure(sample_ratio=1.0)
+    run_request()
+    assert bool(finished(memory)) == traced
+    assert ("no_such_sampler" in caplog.text) == (sampler == "no_such_sampler")
+
+
+def test_an_env_sampler_keeps_the_trust_rules(configure, monkeypatch):
+    """With OTEL_TRACES_SAMPLER=parentbased_always_off a trusted caller's sampled flag still
+    decides (the parent-based sampler follows it); an untrusted caller's does not."""
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "parentbased_always_off")
+    memory = configure(trust_incoming=True)
+    run_request(SAMPLED_CALLER)
+    assert {f"{s.context.trace_id:032x}" for s in finished(memory)} == {CALLER_TRACE}
+    telemetry.shutdown()
+    memory = configure(trust_incoming=False)
+    run_request(SAMPLED_CALLER)
+    assert finished(memory) == ()
+    run_request()  # and our own requests: the env sampler's root decision (off)
+    assert finished(memory) == ()
+
+
+def test_a_span_id_reservation_the_sdk_ignores_is_reported_and_never_leaks(caplog):
+    """``_ReservableIds`` assumes one id drawn per span on the calling thread; a tracer that
+    breaks that is reported once, and a reservation never outlives its ``start_span``."""
+    ids = telemetry._ReservableIds()
+    provider = TracerProvider(id_generator=ids)
+
+    class TwoDraws:  # a tracer that draws an id of its own before the span's
+        def start_span(self, name, **kwargs):
+            ids.generate_span_id()
+            return provider.get_tracer("t").start_span(name, **kwargs)
+
+    class Failing:
+        def start_span(self, name, **kwargs):
+            raise RuntimeError("no span")
+
+    right = ids.start_span_with_id(provider.get_tracer("t"), 0xABC, "ok")
+    assert right.get_span_context().span_id == 0xABC
+    with caplog.at_level(logging.ERROR, logger="specdec.telemetry"):
+        for _ in range(2):
+            assert ids.start_span_with_id(TwoDraws(), 0xDEF, "broken").get_span_context().span_id != 0xDEF
+    assert caplog.text.count("did not take the reserved span id") == 1
+    with pytest.raises(RuntimeError):
+        ids.start_span_with_id(Failing(), 0x123, "failing")
+    assert ids.generate_span_id() != 0x123
+
+
+def _reference_otlp_json(span) -> dict:
+    """What opentelemetry-exporter-otlp-proto-common's encoder and protobuf's JSON mapping make
+    of ``span``, with ids turned from base64 into OTLP/JSON's hex."""
+    import base64
+
+    from google.protobuf import json_format
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+
+    out = json_format.MessageToDict(encode_spans([span]), use_integers_for_enums=True)
+    for rs in out["resourceSpans"]:
+        for ss in rs["scopeSpans"]:
+            for sp in ss["spans"]:
+                for item in [sp, *sp.get("links", [])]:
+                    for key in ("traceId", "spanId", "parentSpanId"):
+                        if key in item:
+                            item[key] = base64.b64decode(item[key]).hex()
+    return out
+
+
+def test_span_files_are_otlp_json_a_collector_can_replay(configure, tmp_path, monkeypatch):
+    """Every line parses as an ``ExportTraceServiceRequest`` (the protobuf schema rejects
+    unknown fields), equals what the OTLP encoder makes of the span, and reads back whole."""
+    from google.protobuf import json_format
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "service.namespace=llm")
+    memory = configure(trust_incoming=False)
+    stats = run_request(SAMPLED_CALLER)  # a link, events, arrays, doubles, ints, bools
+    with pytest.raises(RuntimeError):
+        with telemetry.request_span(attributes=telemetry.request_attributes(model="tiny")):
+            raise RuntimeError("boom")  # status ERROR with a message, an exception event
+    spans = {s.context.span_id: s for s in finished(memory)}
+    lines = [line for path in span_files(tmp_path) for line in path.read_text().splitlines()]
+    assert len(lines) == len(spans)
+    for line in lines:
+        request = json_format.Parse(line, ExportTraceServiceRequest())
+        (rs,) = request.resource_spans
+        (ss,) = rs.scope_spans
+        assert len(ss.spans) == 1 and ss.scope.name == "specdec"
+        decoded = json.loads(line)
+        span = decoded["resourceSpans"][0]["scopeSpans"][0]["spans"][0]
+        assert re.fullmatch(r"[0-9a-f]{32}", span["traceId"]) and re.fullmatch(r"[0-9a-f]{16}", span["spanId"])
+        assert isinstance(span["startTimeUnixNano"], str)
+        assert decoded == _reference_otlp_json(spans[int(span["spanId"], 16)])
+    traces = load_traces(tmp_path)
+    assert len(traces) == 2
+    whole, failed = traces
+    assert len(whole.rounds) == len(stats) and whole.accepted == sum(s.accepted for s in stats[1:])
+    assert whole.request.kind == "SERVER" and whole.request.name == "text_completion tiny"
+    assert [(k["trace_id"], k["span_id"]) for k in whole.request.links] == [(CALLER_TRACE, CALLER_SPAN)]
+    assert whole.finish_reason == "length" and whole.request.attributes["gen_ai.request.temperature"] == 0.0
+    assert failed.request.status == "ERROR" and failed.request.attributes["error.type"] == "RuntimeError"
+    assert failed.request.events[0]["name"] == "exception"
+    # what other tools write reads too: every span on one line, in protobuf's own JSON mapping
+    # (ids in base64, enums by name), as from json_format.MessageToJson
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+
+    batch = tmp_path / "batch"
+    batch.mkdir()
+    (batch / "spans-collector-1.jsonl").write_text(json_format.MessageToJson(encode_spans(list(spans.values())),
+                                                                            indent=None) + "\n")
+    again = load_traces(batch)
+    assert [t.trace_id for t in again] == [t.trace_id for t in traces]
+    assert [len(t.spans) for t in again] == [len(t.spans) for t in traces]
+    assert again[0].request.kind == "SERVER" and again[1].request.status == "ERROR"
+    assert again[0].accepted == whole.accepted and again[0].request.links == whole.request.links
+
+
+def _old_record(span) -> dict:
+    """A span as the files held it before OTLP/JSON (the old ``span_to_dict``, verbatim)."""
+    ctx, parent = span.context, span.parent
+    record = {
+        "trace_id": f"{ctx.trace_id:032x}", "span_id": f"{ctx.span_id:016x}",
+        "parent_id": f"{parent.span_id:016x}" if parent is not None else None,
+        "name": span.name, "kind": span.kind.name, "start_ns": span.start_time, "end_ns": span.end_time,
+        "status": span.status.status_code.name, "service": span.resource.attributes.get("service.name"),
+        "pid": os.getpid(), "attributes": dict(span.attributes or {}),
+        "events": [{"name": e.name, "time_ns": e.timestamp, "attributes": dict(e.attributes or {})} for e in span.events],
+    }
+    if span.links:
+        record["links"] = [
+            {"trace_id": f"{k.context.trace_id:032x}", "span_id": f"{k.context.span_id:016x}",
+             "attributes": dict(k.attributes or {})}
+            for k in span.links
+        ]
+    return record
+
+
+def test_span_files_from_before_the_rename_and_otlp_json_still_read(configure, tmp_path, capsys):
+    """An old file (flat records, the request span named ``request``) next to a new one:
+    ``specdec traces`` lists, shows and sums up both."""
+    memory = configure()
+    with telemetry.request_span("request", attributes=telemetry.request_attributes(model="tiny")) as trace:
+        old_stats = [step.stats for step in trace.rounds(decode(ScriptedTarget(), ScriptedDrafter(),
+                                                                DecodeRequest([1, 2, 3], 12), k=4))]
+        trace.finish(finish_reason="length", input_tokens=3, mode="draft")
+    old_spans = finished(memory)
+    memory.clear()
+    old_lines = [json.dumps(_old_record(s)) for s in old_spans]
+    (tmp_path / "spans-specdec-router-7.1.jsonl").write_text("\n".join(old_lines) + "\n")
+    for path in span_files(tmp_path):
+        if path.name != "spans-specdec-router-7.1.jsonl":
+            path.unlink()  # the same spans in the new encoding: keep only the old copy
+    new_stats = run_request()
+    telemetry.flush()
+    old, new = load_traces(tmp_path)
+    assert old.request.name == "request" and new.request.name == "text_completion tiny"
+    assert len(old.rounds) == len(old_stats) and len(new.rounds) == len(new_stats)
+    assert old.accepted == sum(s.accepted for s in old_stats[1:]) and old.output_tokens == 12
+    listing = cli(capsys, "list", "--dir", str(tmp_path))
+    assert [row.split()[0] for row in listing.splitlines()[1:]] == [new.trace_id, old.trace_id]
+    shown = cli(capsys, "show", old.trace_id[:10], "--dir", str(tmp_path), "--all")
+    assert shown.count("└ verify") == len(old_stats)
+    assert cli(capsys, "summary", "--dir", str(tmp_path)).startswith("2 requests")

@@ -69,6 +69,7 @@ class Event:
     policy_summary: dict | None = None  # the speculation controller's summary, on the last event
     policy_events: list[str] = field(default_factory=list)  # decisions taken before this round
     error: str | None = None  # the unit failed this request (no stats then)
+    queued_s: float | None = None  # on the first event: from submit to admission into the batch
 
 
 class Handle:
@@ -108,6 +109,8 @@ class _Live:
     text: TextStream | None = None
     draft_retry_at: int = 0
     events_sent: int = 0
+    submitted: float = field(default_factory=time.perf_counter)
+    queued_s: float | None = None  # submit to admission: how long it waited for a KV range and a seat
 
     @property
     def key(self) -> str:
@@ -318,6 +321,7 @@ class StepLoop:
                     break  # wait for room: requests leave the unit in order of arrival
                 self._waiting.popleft()
                 live.start, live.capacity = start, need
+                live.queued_s = time.perf_counter() - live.submitted
                 self._running.append(live)
 
     def _plan(self, lives: list[_Live]) -> tuple[list[_Plan], list[BatchRow]]:
@@ -446,7 +450,8 @@ class StepLoop:
             events = [what for _, what in live.policy.events[live.events_sent:]]
             live.events_sent = len(live.policy.events)
         summary = (live.policy.summary() if live.policy else {}) if finish else None
-        live.handle.events.put(Event(delta, kept, stats, finish, summary, events))
+        live.handle.events.put(Event(delta, kept, stats, finish, summary, events,
+                                     queued_s=live.queued_s if index == 0 else None))
         if finish:
             self._finish(live)
 

@@ -5,11 +5,16 @@ through ``JsonLinesSpanExporter``; ``specdec.tracing.reader`` reads them back.
 
 Every traced process (``specdec.telemetry``) appends one span per line to
 ``$SPECDEC_HOME/traces/spans-<service>-<pid>.jsonl`` (``SPECDEC_HOME`` defaults to
-``~/.cache/specdec``). Each line holds ``trace_id``, ``span_id``, ``parent_id`` (W3C hex),
-``name``, ``start_ns`` / ``end_ns`` (epoch ns), ``attributes`` and ``events``. The spans of one
-request come from several processes (router, workers). A span that links to another trace (the
-caller's, when ``telemetry`` does not trust incoming sampling) also has ``links``: a list of
-``{trace_id, span_id, attributes}``.
+``~/.cache/specdec``). Each line is an OTLP/JSON ``ExportTraceServiceRequest`` holding one span
+(``specdec.tracing.otlp``), so the files replay into an OpenTelemetry collector (its
+``otlpjsonfile`` receiver) as they are. The spans of one request come from several processes
+(router, workers). Files written before that (one flat record a line: ``trace_id``, ``span_id``,
+``parent_id``, ``name``, ``start_ns``, ...) still read back: the reader tells the two apart line
+by line.
+
+The request span is named as the GenAI semantic conventions say, ``{gen_ai.operation.name}
+{gen_ai.request.model}`` (``chat SmolLM2-135M-Instruct``); older files named it ``request``.
+``is_request_span`` finds it either way.
 
 Retention. When a process's file would grow past ``max_file_bytes`` it is renamed to
 ``spans-<service>-<pid>.<n>.jsonl`` (``n`` counting up: the highest is the newest) and a fresh
@@ -29,12 +34,11 @@ max_total_bytes=)``, else from the environment, else the defaults:
 from __future__ import annotations
 
 import glob
-import json
 import logging
 import os
 import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,6 +47,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from specdec.paths import specdec_home
+from specdec.tracing.otlp import LineEncoder
 
 if TYPE_CHECKING:
     from specdec.decoding import RoundStats
@@ -61,10 +66,18 @@ POLICY_EVENTS = {
     "fallback": EVENT_FALLBACK, "probe": EVENT_PROBE, "resume": EVENT_RESUME, "switch": EVENT_MODE_SWITCH
 }
 
+# GenAI semantic conventions (https://opentelemetry.io/docs/specs/semconv/gen-ai/gen-ai-spans/)
+OPERATION = "gen_ai.operation.name"  # "chat" or "text_completion"
+MODEL = "gen_ai.request.model"
+PROVIDER = "gen_ai.provider.name"
+PROVIDER_NAME = "specdec"  # what serves the model: us (semconv's well-known values are vendors)
+ERROR_TYPE = "error.type"  # on a failed request: the exception's class name
+OLD_REQUEST_NAME = "request"  # the request span's name before the GenAI span name (and its fallback)
+
 # request_attributes' keywords and the GenAI / specdec attribute each becomes
 _REQUEST_KEYS = {
-    "operation": "gen_ai.operation.name",  # "chat" or "text_completion"
-    "model": "gen_ai.request.model",
+    "operation": OPERATION,
+    "model": MODEL,
     "request_id": "gen_ai.response.id",
     "max_tokens": "gen_ai.request.max_tokens",
     "temperature": "gen_ai.request.temperature",
@@ -78,12 +91,28 @@ _REQUEST_KEYS = {
 
 
 def request_attributes(*, operation: str = "text_completion", **fields: Any) -> dict[str, Any]:
-    """The request span's opening attributes from ``_REQUEST_KEYS``' keywords (None left out)."""
+    """The request span's opening attributes from ``_REQUEST_KEYS``' keywords (None left out),
+    and ``gen_ai.provider.name``."""
     unknown = set(fields) - set(_REQUEST_KEYS)
     if unknown:
         raise TypeError(f"unknown request attributes: {sorted(unknown)}")
     fields["operation"] = operation
-    return {_REQUEST_KEYS[k]: v for k, v in fields.items() if v is not None}
+    return {PROVIDER: PROVIDER_NAME, **{_REQUEST_KEYS[k]: v for k, v in fields.items() if v is not None}}
+
+
+def request_span_name(attributes: Mapping[str, Any]) -> str:
+    """``{gen_ai.operation.name} {gen_ai.request.model}``, as the GenAI conventions name an
+    inference span (the operation alone without a model; ``request`` without an operation)."""
+    operation, model = attributes.get(OPERATION), attributes.get(MODEL)
+    if not operation:
+        return OLD_REQUEST_NAME
+    return f"{operation} {model}" if model else str(operation)
+
+
+def is_request_span(name: str, kind: str | None, attributes: Mapping[str, Any]) -> bool:
+    """Whether a span read back is a request span: a SERVER span with a GenAI operation (its
+    name varies with the model), or one named ``request`` (files written before the rename)."""
+    return name == OLD_REQUEST_NAME or (kind == "SERVER" and OPERATION in attributes)
 
 
 def round_attributes(stats: RoundStats) -> dict[str, Any]:
@@ -168,7 +197,7 @@ class JsonLinesSpanExporter(SpanExporter):
 
     One file per process, so processes never interleave partial lines; a batch is one write
     (from the ``BatchSpanProcessor``'s thread, off the request path) unless a rotation falls
-    inside it, and then the batch is split between two lines.
+    inside it, and then the batch is split between two files (between two lines, never inside one).
     """
 
     def __init__(self, directory: str | Path, service_name: str, retention: Retention | None = None):
@@ -179,13 +208,14 @@ class JsonLinesSpanExporter(SpanExporter):
         self._file = None
         self._pid = -1
         self._size = 0  # bytes in the current file
+        self._encoder = LineEncoder()
 
     @property
     def path(self) -> Path:
         return self.directory / span_file_name(self.service_name, os.getpid())
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        lines = [(json.dumps(span_to_dict(s)) + "\n").encode("utf-8") for s in spans]
+        lines = [self._encoder.line(s).encode("utf-8") for s in spans]
         try:
             with self._lock:
                 if self._pid != os.getpid() or not self._still_ours():
@@ -302,35 +332,3 @@ class JsonLinesSpanExporter(SpanExporter):
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return True
-
-
-def span_to_dict(span: ReadableSpan) -> dict:
-    """The JSON-lines record of a finished span (ids in W3C hex, times in epoch ns)."""
-    ctx, parent = span.context, span.parent
-    record = {
-        "trace_id": f"{ctx.trace_id:032x}",
-        "span_id": f"{ctx.span_id:016x}",
-        "parent_id": f"{parent.span_id:016x}" if parent is not None else None,
-        "name": span.name,
-        "kind": span.kind.name,
-        "start_ns": span.start_time,
-        "end_ns": span.end_time,
-        "status": span.status.status_code.name,
-        "service": span.resource.attributes.get("service.name"),
-        "pid": os.getpid(),
-        "attributes": dict(span.attributes or {}),  # tuples encode as JSON arrays
-        "events": [
-            {"name": e.name, "time_ns": e.timestamp, "attributes": dict(e.attributes or {})} for e in span.events
-        ],
-    }
-    if span.links:
-        record["links"] = [
-            {
-                "trace_id": f"{link.context.trace_id:032x}",
-                "span_id": f"{link.context.span_id:016x}",
-                "attributes": dict(link.attributes or {}),
-            }
-            for link in span.links
-        ]
-    return record
-

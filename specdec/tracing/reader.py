@@ -1,7 +1,9 @@
 """Reading the span files (``specdec.tracing.format``) back into traces, one per request.
 
 The spans of one request come from several processes (router, workers) and are grouped here by
-trace id. A line a killed process left half-written is skipped.
+trace id. A line a killed process left half-written is skipped. Each line is read as what it is:
+an OTLP/JSON request (``resourceSpans``: what the writer writes now, and what a collector's file
+exporter writes, any number of spans a line) or a flat record (files from before OTLP/JSON).
 
 The reader takes every ``spans-*.jsonl`` file, each process's rotated files oldest first and
 its current file last, so a request whose spans straddle a rotation still reads back whole.
@@ -16,7 +18,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specdec.tracing.format import ROUND_NAMES, SPAN_FILE
+from specdec.tracing.format import ROUND_NAMES, SPAN_FILE, is_request_span
+from specdec.tracing.otlp import span_dicts
 
 log = logging.getLogger(__name__)
 
@@ -47,15 +50,27 @@ class SpanRecord:
     service: str | None = None
     status: str = "UNSET"
     links: list = field(default_factory=list)
+    kind: str | None = None  # SERVER, INTERNAL, ...
+    resource: dict = field(default_factory=dict)  # the resource's attributes (OTLP/JSON lines only)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "SpanRecord":
+    def from_dict(cls, d: dict) -> SpanRecord:
         return cls(
             trace_id=d["trace_id"], span_id=d["span_id"], parent_id=d.get("parent_id"), name=d["name"],
             start_ns=int(d["start_ns"]), end_ns=int(d["end_ns"]), attributes=d.get("attributes") or {},
             events=d.get("events") or [], service=d.get("service"), status=d.get("status", "UNSET"),
-            links=d.get("links") or [],
+            links=d.get("links") or [], kind=d.get("kind"), resource=d.get("resource") or {},
         )
+
+    @classmethod
+    def from_line(cls, line: str) -> list[SpanRecord]:
+        """The spans of one line: an OTLP/JSON request, or one flat record (older files)."""
+        d = json.loads(line)
+        return [cls.from_dict(s) for s in span_dicts(d)] if "resourceSpans" in d else [cls.from_dict(d)]
+
+    @property
+    def is_request(self) -> bool:
+        return is_request_span(self.name, self.kind, self.attributes)
 
     @property
     def duration_ms(self) -> float:
@@ -81,16 +96,15 @@ def _read_span_file(path: Path, since_ns: int | None) -> list[SpanRecord]:
     with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
             try:
-                span = SpanRecord.from_dict(json.loads(line))
-            except (ValueError, KeyError, TypeError):
+                records = SpanRecord.from_line(line)
+            except (ValueError, KeyError, TypeError, AttributeError):
                 continue  # a torn last line (or foreign junk): skip it
-            if since_ns is None or span.end_ns >= since_ns:
-                spans.append(span)
+            spans += [s for s in records if since_ns is None or s.end_ns >= since_ns]
     return spans
 
 
 class Trace:
-    """The spans of one request (its ``request`` span, rounds and worker spans) and the
+    """The spans of one request (its request span, rounds and worker spans) and the
     request's numbers: from the request span's final attributes, else from the rounds."""
 
     def __init__(self, trace_id: str, spans: list[SpanRecord]):
@@ -99,8 +113,8 @@ class Trace:
         for s in self.spans:
             self._children.setdefault(s.parent_id, []).append(s)
         ids = {s.span_id for s in self.spans}
-        roots = [s for s in self.spans if s.parent_id not in ids]  # the caller's span is elsewhere
-        self.request = ([s for s in roots if s.name == "request"] or roots or [None])[0]
+        requests = [s for s in self.spans if s.is_request]  # outermost first: the caller's span is elsewhere
+        self.request = ([s for s in requests if s.parent_id not in ids] or requests or [None])[0]
         self.rounds = [s for s in self.spans if s.name in ROUND_NAMES]  # prefill first
         self.decode_rounds = [s for s in self.rounds if s.name == "round"]
         self.start_ns, self.end_ns = self.spans[0].start_ns, max(s.end_ns for s in self.spans)
@@ -134,7 +148,7 @@ def load_traces(directory: str | Path, *, since_s: float | None = None) -> list[
     for span in read_spans(directory, since_ns=since_ns):
         by_trace.setdefault(span.trace_id, []).append(span)
     traces = [Trace(tid, spans) for tid, spans in by_trace.items()]
-    traces = [t for t in traces if t.request is not None and t.request.name == "request"]
+    traces = [t for t in traces if t.request is not None]
     return sorted(traces, key=lambda t: t.start_ns)
 
 
