@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -28,7 +29,7 @@ def check_config(args: argparse.Namespace) -> int:
 
 
 def serve_locally(models: dict, *, port: int, name: str, max_num_seqs: int = 16,
-                  colocation: str = "in_process", num_cpus: int = 4, **unit) -> callable:
+                  colocation: str = "in_process", num_cpus: int = 4, **unit) -> Callable[[], None]:
     """Start ``models`` as a Serve application on 127.0.0.1:``port`` (a local Ray); returns
     the function that stops it. The benchmarks' server (``specdec sweep --http``)."""
     import ray

@@ -71,8 +71,4 @@ def check_request(body, limits: RequestLimits) -> tuple[str, str] | None:
         return "stop", f"a stop string is longer than this server's limit of {limits.max_stop_chars} characters"
     if body.seed is not None and not -limits.max_seed - 1 <= body.seed <= limits.max_seed:
         return "seed", f"seed must lie in [{-limits.max_seed - 1}, {limits.max_seed}]"
-    if body.stream_options is not None and not body.stream:
-        return "stream_options", "stream_options is only allowed when stream is true"
-    if body.limit is not None and body.min_tokens > body.limit:
-        return "min_tokens", f"min_tokens ({body.min_tokens}) must not exceed max_tokens ({body.limit})"
     return None

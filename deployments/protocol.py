@@ -36,7 +36,7 @@ class StreamOptions(BaseModel):
 
 
 class _Common(BaseModel):
-    # Fields of the OpenAI API we do not act on (user, stream_options, ...) are accepted and
+    # Fields of the OpenAI API we do not act on (user, ...) are accepted and
     # ignored, as the official client may send them; the ones that would change the answer and
     # that we do not support are refused below.
     model_config = ConfigDict(extra="allow")
@@ -81,7 +81,8 @@ class _Common(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def refuse_unsupported(self) -> tuple[str, str] | None:
-        """(param, message) for an OpenAI option that would change the answer and we lack.
+        """(param, message) for an OpenAI option that would change the answer and we lack, or
+        that does not fit the rest of the request (OpenAI's rule: stream_options needs stream).
 
         A neutral value (null, false, 0, {}, [], "", best_of 1) is the same as leaving the
         option out: clients such as LangChain's send ``logit_bias: {}`` by default.
@@ -94,6 +95,8 @@ class _Common(BaseModel):
             if name == "best_of" and value == 1:
                 continue
             return name, f"'{name}' is not supported by this server"
+        if self.stream_options is not None and not self.stream:
+            return "stream_options", "stream_options is only allowed when stream is true"
         return None
 
     @property

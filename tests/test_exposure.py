@@ -43,9 +43,9 @@ def _args(pair, models: dict | None = None, **extra) -> dict:
 
 @pytest.fixture(scope="module")
 def server(llama_pair, gpt2_pair, tmp_path_factory):
-    saved = {k: os.environ.get(k) for k in ("SPECDEC_HOME", CALLBACK_ENV)}
-    os.environ["SPECDEC_HOME"] = str(tmp_path_factory.mktemp("specdec_home"))
-    os.environ[CALLBACK_ENV] = CALLBACK  # the proxy (started by serve.start below) inherits it
+    env = pytest.MonkeyPatch()  # module-scoped: undone at teardown
+    env.setenv("SPECDEC_HOME", str(tmp_path_factory.mktemp("specdec_home")))
+    env.setenv(CALLBACK_ENV, CALLBACK)  # the proxy (started by serve.start below) inherits it
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT, "request_timeout_s": 120},
                 logging_config={"enable_access_log": False})  # 10,000 access-log lines cost seconds
@@ -67,8 +67,7 @@ def server(llama_pair, gpt2_pair, tmp_path_factory):
     yield {"llama": llama_pair, "gpt2": gpt2_pair}
     serve.shutdown()
     ray.shutdown()
-    for k, v in saved.items():
-        os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    env.undo()
 
 
 def router(app: str):

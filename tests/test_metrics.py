@@ -10,7 +10,6 @@ name ``docs/metrics.md`` documents, and totals equal to what the responses repor
 from __future__ import annotations
 
 import json
-import os
 import re
 import socket
 import time
@@ -123,8 +122,8 @@ def _missing(samples: dict, need: dict[str, set[str]]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def unit(llama_pair, tmp_path_factory):
-    old_home = os.environ.get("SPECDEC_HOME")
-    os.environ["SPECDEC_HOME"] = str(tmp_path_factory.mktemp("specdec_home"))  # traces go here
+    env = pytest.MonkeyPatch()  # module-scoped: undone at teardown
+    env.setenv("SPECDEC_HOME", str(tmp_path_factory.mktemp("specdec_home")))  # traces go here
     metrics_port, http_port = _free_port(), _free_port()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_port,
              _system_config={"metrics_report_interval_ms": 1000})
@@ -136,10 +135,7 @@ def unit(llama_pair, tmp_path_factory):
     yield {"metrics_port": metrics_port, "base": f"http://127.0.0.1:{http_port}"}
     serve.shutdown()
     ray.shutdown()
-    if old_home is None:
-        os.environ.pop("SPECDEC_HOME", None)
-    else:
-        os.environ["SPECDEC_HOME"] = old_home
+    env.undo()
 
 
 @pytest.fixture(scope="module")

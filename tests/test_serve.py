@@ -31,8 +31,8 @@ KEYS = ["key-one", "key-two"]
 def server(llama_pair, tmp_path_factory):
     # Workers inherit the driver's environment: traces go to this module's own directory.
     home = tmp_path_factory.mktemp("specdec_home")
-    old_home = os.environ.get("SPECDEC_HOME")
-    os.environ["SPECDEC_HOME"] = str(home)
+    env = pytest.MonkeyPatch()  # module-scoped: undone at teardown
+    env.setenv("SPECDEC_HOME", str(home))
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     for mode in MODES:
@@ -55,10 +55,7 @@ def server(llama_pair, tmp_path_factory):
     yield {**llama_pair, "traces": home / "traces"}
     serve.shutdown()
     ray.shutdown()
-    if old_home is None:
-        os.environ.pop("SPECDEC_HOME", None)
-    else:
-        os.environ["SPECDEC_HOME"] = old_home
+    env.undo()
 
 
 @pytest.fixture(scope="module")

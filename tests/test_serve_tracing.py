@@ -1,6 +1,5 @@
 """With Ray Serve's own tracing on, our request span nests under Serve's span."""
 
-import os
 import time
 
 import httpx
@@ -23,8 +22,9 @@ def served(llama_pair, tmp_path_factory):
         "RAY_SERVE_TRACING_SAMPLING_RATIO": "1",
         "SPECDEC_HOME": str(home),
     }
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
+    patch = pytest.MonkeyPatch()  # module-scoped: undone at teardown
+    for k, v in env.items():
+        patch.setenv(k, v)
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     args = {"models": {"target": str(llama_pair["target"]), "dtype": "float32", "served_model_name": "tiny"},
@@ -33,11 +33,7 @@ def served(llama_pair, tmp_path_factory):
     yield home / "traces"
     serve.shutdown()
     ray.shutdown()
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    patch.undo()
 
 
 def test_request_span_is_a_child_of_serves_span(served):
