@@ -6,7 +6,8 @@ from ray.serve import Application
 from ray.serve.config import BackpressureConfig
 
 from deployments.config import (
-    INGRESS_MAX_ONGOING, INGRESS_MAX_QUEUED, RETRY_AFTER_S, UNIT_MAX_QUEUED, AppArgs, UnitArgs, resolve_models,
+    INGRESS_MAX_ONGOING, INGRESS_MAX_QUEUED, RETRY_AFTER_S, UNIT_HEALTH_CHECK_TIMEOUT_S, UNIT_MAX_QUEUED, AppArgs,
+    UnitArgs, resolve_models,
     router_name,
 )
 from deployments.ingress import Ingress
@@ -51,7 +52,7 @@ def build_unit(args: dict | UnitArgs, name: str = "SpecRouter", **options) -> Ap
         placement_group_strategy="STRICT_PACK",
         ray_actor_options={"num_cpus": bundles[0]["CPU"], "num_gpus": bundles[0].get("GPU", 0)},
         max_ongoing_requests=unit.max_concurrent_requests,
-        **{**_admission(UNIT_MAX_QUEUED), **options},
+        **{**_admission(UNIT_MAX_QUEUED), "health_check_timeout_s": UNIT_HEALTH_CHECK_TIMEOUT_S, **options},
     ).bind(unit.model_dump())
 
 

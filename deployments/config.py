@@ -74,6 +74,9 @@ INGRESS_MAX_ONGOING = 256  # the ingress only forwards: the units' limits must a
 INGRESS_MAX_QUEUED = 256  # at each proxy, past INGRESS_MAX_ONGOING; then 503
 UNIT_MAX_QUEUED = 64  # per caller (each Ingress replica), past the unit's running requests; then 503
 RETRY_AFTER_S = 1  # the Retry-After of both refusals
+# Serve's default (30 s) is shorter than a restarting worker's model reload under load: the
+# health check would fail the whole unit while Ray is already recovering the worker.
+UNIT_HEALTH_CHECK_TIMEOUT_S = 60
 
 
 class RequestLimits(_Strict):

@@ -38,6 +38,9 @@ from specdec.stats import SpeculationSummary
 log = logging.getLogger("ray.serve")
 
 TARGET_BUNDLE, DRAFT_BUNDLE = 1, 2  # bundle 0 holds the router replica itself
+# How long the health check waits for a worker (a restarting one reloads its model); it must stay
+# below the deployment's health_check_timeout_s (the builder's default: deployments/config.py).
+WORKER_HEALTH_WAIT_S = 45
 
 
 def worker_name(role: str) -> str:
@@ -278,7 +281,7 @@ class SpecRouter:
         """Every worker answers (in process: the step loop is alive). A busy target answers
         between steps, so a long step delays the answer without failing it."""
         for name, actor in self.actors.items():
-            ray.get((actor.info if name == "target" else actor.ready).remote(), timeout=60)
+            ray.get((actor.info if name == "target" else actor.ready).remote(), timeout=WORKER_HEALTH_WAIT_S)
         self.engine.loop.check_alive()
 
     def record_autoscaling_stats(self) -> dict:
