@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from specdec import __version__
 
-Mode = Literal["auto", "draft", "ngram", "early_exit", "off"]  # what a request or a config may ask for
+Mode = Literal["auto", "draft", "ngram", "early_exit", "eagle", "off"]  # what a request or a config may ask for
 MODES: tuple[str, ...] = get_args(Mode)
 DType = Literal["float32", "bfloat16", "float16"]
 
@@ -56,6 +56,13 @@ class ModelConfig(_Strict):
         "it names its exit layer. Enables mode 'early_exit': the target's first layers draft on the "
         "target's own KV cache, so it costs no second model and no second cache.",
     )
+    eagle_head: str | None = Field(
+        None,
+        description="An EAGLE head directory (`specdec demo-models` writes demo/eagle; EAGLE-1's released "
+        "layout loads too). Enables mode 'eagle': a one-layer head drafts from the target's own last "
+        "hidden states, kept by the verify pass, so it costs no second model and no extra target pass.",
+    )
+    eagle_dtype: DType = Field("float32", description="EAGLE head dtype (one layer: fast in fp32 on a CPU).")
     early_exit_layer: int | None = Field(
         None,
         ge=1,
@@ -84,12 +91,12 @@ class ModelConfig(_Strict):
 
 
 # vLLM's speculative_config names, accepted so that a vLLM user can move a config over.
-VLLM_METHODS = {"ngram": "ngram", "draft_model": "draft"}
+VLLM_METHODS = {"ngram": "ngram", "draft_model": "draft", "eagle": "eagle"}
 VLLM_NAMES = {"method": "mode", "prompt_lookup_min": "ngram_min", "prompt_lookup_max": "ngram_max"}
 
 
 class SpeculationConfig(_Strict):
-    """How the unit speculates. vLLM's names are aliases: ``method`` (``ngram``, ``draft_model``),
+    """How the unit speculates. vLLM's names are aliases: ``method`` (``ngram``, ``draft_model``, ``eagle``),
     ``num_speculative_tokens``, ``prompt_lookup_min`` / ``prompt_lookup_max``."""
 
     mode: Mode = Field("auto", description="Default mode; a request may ask for another.")
@@ -122,7 +129,7 @@ class SpeculationConfig(_Strict):
             if theirs == "method":
                 if value not in VLLM_METHODS:
                     raise ValueError(f"method {value!r}: this server implements {sorted(VLLM_METHODS)} of vLLM's "
-                                     "methods (mode: auto, draft, ngram, early_exit, off)")
+                                     "methods (mode: auto, draft, ngram, early_exit, eagle, off)")
                 value = VLLM_METHODS[value]
             data[ours] = value
         return data

@@ -21,10 +21,12 @@ from specdec.batch.runner import BatchRunner
 from specdec.batch.target import TargetStep
 from specdec.config import ModelConfig, SpeculationConfig
 from specdec.decoding import RoundStats  # noqa: F401  (Completion.rounds)
+from specdec.drafters.eagle import EagleBatchDrafter
 from specdec.drafters.early_exit import exit_parts
 from specdec.drafters.model import check_same_vocabulary
+from specdec.models.eagle import load_eagle_head
 from specdec.policy import PolicyConfig
-from specdec.runner import load_model, load_tokenizer
+from specdec.runner import DTYPES, load_model, load_tokenizer
 from specdec.sampling import SamplingParams
 from specdec.stats import SpeculationSummary
 
@@ -277,12 +279,14 @@ def available_modes(models: ModelConfig) -> list[str]:
         modes.append("draft")
     if models.early_exit_adapter or models.early_exit_layer is not None:
         modes.append("early_exit")
+    if models.eagle_head:
+        modes.append("eagle")
     return modes
 
 
 def load_target_step(models: ModelConfig, speculation: SpeculationConfig, tokenizer,
                      kv_cache_tokens: int | None = None) -> tuple[TargetStep, frozenset[int]]:
-    """The target model on its token pool, with its early-exit drafter when configured."""
+    """The target model on its token pool, with its early-exit and EAGLE drafters when configured."""
     target_model = load_model(models.target, models.dtype, models.device, revision=models.revision,
                               trust_remote_code=models.trust_remote_code)
     runner = BatchRunner(target_model, capacity_tokens=kv_cache_tokens, max_length=models.max_model_len)
@@ -290,7 +294,10 @@ def load_target_step(models: ModelConfig, speculation: SpeculationConfig, tokeni
     if models.early_exit_adapter or models.early_exit_layer is not None:
         stack, head = exit_parts(target_model, models.early_exit_layer, models.early_exit_adapter)
         early_exit = EarlyExitBatchDrafter(runner, stack, head, speculation.early_exit_threshold)
-    return TargetStep(runner, early_exit), eos_token_ids(tokenizer, target_model)
+    eagle = None
+    if models.eagle_head:
+        eagle = EagleBatchDrafter(runner, load_eagle_head(models.eagle_head, target_model, DTYPES[models.eagle_dtype]))
+    return TargetStep(runner, early_exit, eagle), eos_token_ids(tokenizer, target_model)
 
 
 def load_draft_step(models: ModelConfig, capacity_tokens: int) -> LocalDraft:

@@ -89,7 +89,7 @@ class CostModel:
         *,
         frozen: bool = False,
     ):
-        self.prior_c = {"draft": 0.15, "ngram": 0.01, "early_exit": 0.3, **(prior_c or {})}
+        self.prior_c = {"draft": 0.15, "ngram": 0.01, "early_exit": 0.3, "eagle": 0.1, **(prior_c or {})}
         self.prior_verify_slope = prior_verify_slope
         self.step_s: float | None = None
         self.verify_s: dict[int, float] = {}

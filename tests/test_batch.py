@@ -27,7 +27,7 @@ from specdec.runner import ModelRunner, load_model
 from specdec.sampling import SamplingParams, logits_to_probs, make_generator
 from specdec.tiny import synthetic_corpus
 from specdec.verify import verify_greedy, verify_sampled
-from three_tokens import CELLS, PARAMS, exact_distribution
+from three_tokens import batched_cells, batched_pvalue
 
 PROMPTS = [" ".join(p.split()[:4]) for p in synthetic_corpus(n_sentences=12, seed=99)]
 
@@ -269,34 +269,6 @@ def test_seeded_request_same_text_alone_and_in_a_batch_of_8(engine):
     assert results[0] == alone
 
 
-def _batched_cells(engine, ids, n):
-    """``n`` seeded 3-token samples drawn 16 at a time through the step loop."""
-    model = engine.loop.target.runner.model
-    exact, cell_of = exact_distribution(model, ids)
-    counts, drafted = dict.fromkeys([*CELLS, "impossible"], 0), 0
-    for base in range(0, n, 16):
-        handles = [engine.loop.submit(engine.request(ids, max_tokens=3, mode="draft", k=2, ignore_eos=True,
-                                                     params=SamplingParams(PARAMS.temperature, top_k=3, seed=s)))
-                   for s in range(base, min(n, base + 16))]
-        for h in handles:
-            events = list(h)
-            # a continuation outside the target's top 3 has probability 0 under p
-            counts[cell_of.get(tuple(t for e in events for t in e.token_ids), "impossible")] += 1
-            drafted += sum(e.stats.drafted for e in events)
-    return exact, counts, drafted
-
-
-def _pvalue(exact, counts, n):
-    from scipy.stats import chisquare
-
-    obs, exp = [counts[c] for c in CELLS], [exact[c] * n for c in CELLS]
-    small = [i for i, e in enumerate(exp) if e < 5]
-    big = [i for i in range(len(CELLS)) if i not in small]
-    obs = [obs[i] for i in big] + [sum(obs[i] for i in small)]
-    exp = [exp[i] for i in big] + [sum(exp[i] for i in small)]
-    return float(chisquare(obs, exp).pvalue)
-
-
 def test_sampled_output_has_the_target_distribution_under_batching(llama_pair, monkeypatch):
     """Chi-square over the first 3 tokens (top_k=3: 27 cells) at significance 1e-3, rows
     batched 16 at a time. Negative control: a verifier that accepts every draft (its output is
@@ -305,11 +277,11 @@ def test_sampled_output_has_the_target_distribution_under_batching(llama_pair, m
                                      dtype="float32"), kv_cache_tokens=4096)
     ids = engine.encode(prompt=PROMPTS[4])
     n = 3000
-    exact, counts, drafted = _batched_cells(engine, ids, n)
-    assert drafted >= n and counts["impossible"] == 0 and _pvalue(exact, counts, n) > 1e-3
+    exact, counts, drafted = batched_cells(engine, ids, n, "draft")
+    assert drafted >= n and counts["impossible"] == 0 and batched_pvalue(exact, counts, n) > 1e-3
     monkeypatch.setattr(batch_verify, "acceptance_probs", lambda x, q, p: torch.ones(len(x)))
-    exact, counts, _ = _batched_cells(engine, ids, n)
-    assert counts["impossible"] > 0 or _pvalue(exact, counts, n) < 1e-3
+    exact, counts, _ = batched_cells(engine, ids, n, "draft")
+    assert counts["impossible"] > 0 or batched_pvalue(exact, counts, n) < 1e-3
 
 
 def test_the_sweep_reports_every_level_and_mode(llama_pair):

@@ -48,3 +48,31 @@ def three_token_pvalue(model, ids: list[int], target, drafter, *, n: int, k: int
     obs = [obs[i] for i in big] + [sum(obs[i] for i in small)]
     exp = [exp[i] for i in big] + [sum(exp[i] for i in small)]
     return float(chisquare(obs, exp).pvalue), drafted
+
+
+def batched_cells(engine, ids: list[int], n: int, mode: str, k: int = 2) -> tuple[dict, dict, int]:
+    """``n`` seeded 3-token samples of ``mode`` drawn 16 at a time through the step loop:
+    (exact cell probabilities, observed counts, draft tokens proposed)."""
+    model = engine.loop.target.runner.model
+    exact, cell_of = exact_distribution(model, ids)
+    counts, drafted = dict.fromkeys([*CELLS, "impossible"], 0), 0
+    for base in range(0, n, 16):
+        handles = [engine.loop.submit(engine.request(ids, max_tokens=3, mode=mode, k=k, ignore_eos=True,
+                                                     params=SamplingParams(PARAMS.temperature, top_k=3, seed=s)))
+                   for s in range(base, min(n, base + 16))]
+        for h in handles:
+            events = list(h)
+            # a continuation outside the target's top 3 has probability 0 under p
+            counts[cell_of.get(tuple(t for e in events for t in e.token_ids), "impossible")] += 1
+            drafted += sum(e.stats.drafted for e in events)
+    return exact, counts, drafted
+
+
+def batched_pvalue(exact: dict, counts: dict, n: int) -> float:
+    """Chi-square p-value of ``counts`` against ``exact`` (cells expected below 5 pooled)."""
+    obs, exp = [counts[c] for c in CELLS], [exact[c] * n for c in CELLS]
+    small = [i for i, e in enumerate(exp) if e < 5]
+    big = [i for i in range(len(CELLS)) if i not in small]
+    obs = [obs[i] for i in big] + [sum(obs[i] for i in small)]
+    exp = [exp[i] for i in big] + [sum(exp[i] for i in small)]
+    return float(chisquare(obs, exp).pvalue)

@@ -137,6 +137,12 @@ class FlatBatchCache(Cache):
     def unbind(self) -> None:
         attention.unbind()
 
+    @property
+    def written(self) -> torch.Tensor:
+        """[T] the pool rows the bound step writes, token by token."""
+        assert self._write is not None, "no step planned"
+        return self._write
+
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         # key_states: [1, kv_heads, T, head_dim]; the attention reads rows of the pool in place
         keys, values = self.keys[layer_idx], self.values[layer_idx]

@@ -10,6 +10,7 @@ row drafts never depends on what it is batched with.
 - ``EarlyExitBatchDrafter``: the target's first ``L`` layers on the TARGET's pool. It writes
   only layers ``0..L-1`` at positions the verify pass rewrites for every layer right after,
   and never moves the runner's record of what each row holds, so no restore is needed.
+- ``EagleBatchDrafter`` (``specdec.drafters.eagle``): a one-layer head on the target's features.
 - ``propose_ngram``: prompt lookup per row (no model).
 """
 
@@ -46,7 +47,7 @@ def propose_ngram(rows: list[DraftRow], min_ngram: int, max_ngram: int) -> list[
             for r in rows]
 
 
-def _choose(logits: torch.Tensor, rows: list[DraftRow], live: list[int], gens: list, out, qs,
+def choose_tokens(logits: torch.Tensor, rows: list[DraftRow], live: list[int], gens: list, out, qs,
             confidence_needed: bool = False) -> list[float]:
     """Pick each live row's next draft token from its logits [len(live), V]; returns each
     token's probability under q (for a confidence stop; 1.0 for greedy rows unless needed)."""
@@ -69,7 +70,7 @@ def _choose(logits: torch.Tensor, rows: list[DraftRow], live: list[int], gens: l
     return confidence
 
 
-def _proposals(out: list[list[int]], qs: list[list[torch.Tensor]]) -> list[Proposal]:
+def proposals_of(out: list[list[int]], qs: list[list[torch.Tensor]]) -> list[Proposal]:
     return [Proposal(tokens=t, probs=torch.stack(q) if q else None) for t, q in zip(out, qs)]
 
 
@@ -113,10 +114,10 @@ class ModelBatchDrafter:
         while live := [i for i, r in enumerate(rows) if len(out[i]) < r.k]:
             batch = [BatchRow(rows[i].key, rows[i].context + out[i], 1, rows[i].start, rows[i].capacity) for i in live]
             logits = torch.cat(self.runner.forward(batch))  # [len(live), V]
-            _choose(logits, rows, live, gens, out, qs)
+            choose_tokens(logits, rows, live, gens, out, qs)
             steps += 1
         self.last_steps = steps
-        return _proposals(out, qs)
+        return proposals_of(out, qs)
 
     def release(self, key: str) -> None:
         self.runner.release(key)
@@ -153,13 +154,13 @@ class EarlyExitBatchDrafter:
                 base = [len(rows[i].context) - 1 + len(out[i]) for i in live]
                 hidden = self.stack.hidden_rows(runner, [rows[i].key for i in live], feeds, base)
                 logits = self.head(hidden.to(self.head_dtype)).float().cpu()  # [len(live), V]
-                confidence = _choose(logits, rows, live, gens, out, qs, self.threshold > 0)
+                confidence = choose_tokens(logits, rows, live, gens, out, qs, self.threshold > 0)
                 steps += 1
                 for i, conf in zip(live, confidence):
                     if conf < self.threshold:
                         stopped.add(i)  # unsure: let the target speak before drafting further
         self.last_steps = steps
-        return _proposals(out, qs)
+        return proposals_of(out, qs)
 
     def release(self, key: str) -> None:
         pass  # the cache is the target's: the target releases it

@@ -135,7 +135,7 @@ class StepLoop:
     ``target``: ``run(rows, chunks, external, release) -> StepResult`` (a ``TargetStep``, or
     a worker behind it); ``draft``: ``propose(rows, release)`` -> a ``DraftResult`` or a
     handle to one that ``target.run`` resolves (None without a draft model); ``modes``: the
-    speculation modes available (``draft``, ``ngram``, ``early_exit``).
+    speculation modes available (``draft``, ``ngram``, ``early_exit``, ``eagle``).
     """
 
     def __init__(self, target, draft, modes: list[str], *, tokenizer, eos_token_ids: frozenset[int],
@@ -392,8 +392,8 @@ class StepLoop:
                 rows.append(TargetRow(**base, source="external"))
                 draft_rows.append(DraftRow(live.key, live.ids, p.k, live.req.params, draft_seed,
                                            live.start, live.capacity))
-            elif p.mode == "early_exit" and p.k:
-                rows.append(TargetRow(**base, source="early_exit", k=p.k, draft_seed=draft_seed))
+            elif p.mode in ("early_exit", "eagle") and p.k:  # drafted on the target's side
+                rows.append(TargetRow(**base, source=p.mode, k=p.k, draft_seed=draft_seed))
             else:
                 rows.append(TargetRow(**base))
         return rows, draft_rows
@@ -415,7 +415,7 @@ class StepLoop:
     def _observe_costs(self, plans: list[_Plan], result: StepResult, draft_s: float, draft_steps: int) -> None:
         if result.tokens:
             self.costs.observe_verify(result.tokens, result.verify_s)
-        for mode in ("draft", "early_exit"):
+        for mode in ("draft", "early_exit", "eagle"):
             rows = sum(1 for p in plans if p.mode == mode)
             seconds = draft_s if mode == "draft" else result.draft_s.get(mode, 0.0)
             steps = draft_steps if mode == "draft" else result.draft_steps.get(mode, 0)

@@ -73,6 +73,8 @@ class BatchRunner:
         self.cache = FlatBatchCache(*kv_shape(cfg), capacity, dtype=self.dtype, device=self.device)
         use_ragged(model)  # its attention reads each row's keys from the pool in place
         self._seqs: dict[str, _Seq] = {}
+        self.features: torch.Tensor | None = None  # [capacity + 1, d] once keep_features() is called
+        self._captured: torch.Tensor | None = None
         self.last_fed = 0  # tokens the last forward fed (its cost driver)
         self._lock = threading.RLock()
         params = inspect.signature(model.forward).parameters
@@ -95,6 +97,24 @@ class BatchRunner:
     @property
     def lock(self) -> threading.RLock:
         return self._lock
+
+    def keep_features(self) -> None:
+        """Also keep every fed token's final hidden state (what the LM head reads: an EAGLE
+        head's input) in a pool laid out like the KV pool: position ``p`` of a sequence at pool
+        row ``start + p``. Valid for the positions the sequence's cache holds. A forward hook
+        on the final norm reads its output; the logits do not change."""
+        from specdec.models.eagle import final_norm
+
+        if self.features is not None:
+            return
+        norm = final_norm(self.model)
+        width = norm.weight.shape[0]
+        self.features = torch.zeros(self.capacity + 1, width, dtype=self.dtype, device=self.device)
+
+        def capture(module, args, output):
+            self._captured = output
+
+        norm.register_forward_hook(capture)
 
     def __contains__(self, key: str) -> bool:
         return key in self._seqs
@@ -167,6 +187,9 @@ class BatchRunner:
         try:
             result = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
                                 use_cache=True, logits_to_keep=keep, **{self._cache_kw: self.cache})
+            if self.features is not None:  # [1, T, d] -> the pool rows the step wrote
+                self.features[self.cache.written] = self._captured[0].to(self.features.dtype)
+                self._captured = None
         finally:
             self.cache.unbind()
         logits = result.logits[0].float().cpu()

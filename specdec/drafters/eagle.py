@@ -1,0 +1,133 @@
+"""``eagle``: feature-level drafting on the target's own features, for a whole step at once.
+
+The head (``specdec.models.eagle``) lives with the target: the target's ``BatchRunner`` keeps
+every fed token's final hidden state in a feature pool (``keep_features``), so the verify
+pass that scores a round also hands the next round the features of its accepted positions,
+without an extra target pass. The head keeps its own one-layer KV cache, laid out like the
+target's pool (a sequence's entry ``i`` at pool row ``start + i``).
+
+A round for one row, context ``x_0 .. x_{n-1}`` (the target holds ``x_0 .. x_{n-2}``, so its
+features ``f_0 .. f_{n-2}`` are known):
+
+1. **Catch up.** Entry ``i`` is ``(f_i, x_{i+1})``. Entries built on true features stay; the
+   first one that is not (a changed token, or a prediction from the last round's chain) and
+   everything after it is fed again, through entry ``n - 2``, in ONE flat pass over all rows.
+   Usually that is the ``accepted + 1`` tokens of the last round. Entry ``n - 2``'s output is
+   the predicted ``f_{n-1}``: its logits give draft 1.
+2. **Chain.** Entry ``n - 2 + j`` is ``(predicted f_{n-2+j}, d_j)``; its output gives draft
+   ``j + 1``. Rows leave once they have their ``k`` (one batched pass per step).
+3. **Forget the chain.** Only the true entries are recorded as held: the chain's are
+   overwritten next round. Rollback is bookkeeping, as in the target's pool.
+
+Sampling draws each token from the head's processed distribution ``q`` with the row's own
+generator; the target verifies with the same exact rejection sampling as for any drafter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.batch import attention
+from specdec.batch.cache import FlatBatchCache, RowPlan, kv_shape
+from specdec.batch.drafters import DraftRow, choose_tokens, proposals_of
+from specdec.batch.runner import BatchRow, BatchRunner
+from specdec.drafters.base import Proposal
+from specdec.models.eagle import EagleHead
+from specdec.runner import common_prefix_len
+from specdec.sampling import make_generator
+
+
+@dataclass
+class _Held:
+    """What the head's cache holds for one sequence: ``tokens[i]`` = ``x_{i+1}`` of entry ``i``,
+    every entry built on the target's true feature."""
+
+    start: int
+    capacity: int
+    tokens: list[int] = field(default_factory=list)
+
+
+class EagleBatchDrafter:
+    """An EAGLE head drafting on the target's ``BatchRunner`` (shares its pool layout)."""
+
+    name = "eagle"
+
+    def __init__(self, runner: BatchRunner, head: EagleHead):
+        runner.keep_features()
+        self.runner, self.head = runner, head.eval()
+        head.config._attn_implementation = attention.NAME  # rows attend to their own entries
+        self.dtype = head.fc.weight.dtype
+        self.cache = FlatBatchCache(*kv_shape(head.config), runner.capacity, dtype=self.dtype, device=runner.device)
+        self._held: dict[str, _Held] = {}
+        self.last_steps = 0
+
+    @torch.inference_mode()
+    def propose_batch(self, rows: list[DraftRow]) -> list[Proposal]:
+        runner = self.runner
+        todo = [i for i, r in enumerate(rows) if r.k and len(r.context) >= 2]
+        # The target must hold each row's context but its last token (it does after the
+        # previous verify; after a restart the full model catches up first), so f_0..f_{n-2} exist.
+        behind = [BatchRow(rows[i].key, rows[i].context[:-1], 0, rows[i].start, rows[i].capacity) for i in todo
+                  if runner.cached_ids(rows[i].key) != rows[i].context[:-1]]
+        if behind:
+            runner.forward(behind)
+        gens = [None if r.params.greedy else make_generator(r.seed) for r in rows]
+        out: list[list[int]] = [[] for _ in rows]
+        qs: list[list[torch.Tensor]] = [[] for _ in rows]
+        steps = 0
+        with runner.lock:
+            live = todo
+            features = self._catch_up([rows[i] for i in live]) if live else None  # [len(live), d]
+            while live:
+                choose_tokens(self.head.logits(features), rows, live, gens, out, qs)  # 1-2. draft
+                steps += 1
+                going = [j for j, i in enumerate(live) if len(out[i]) < rows[i].k]
+                if not going:
+                    break
+                live = [live[j] for j in going]
+                features = self._chain([rows[i] for i in live], [out[i] for i in live], features[going])
+        self.last_steps = steps
+        return proposals_of(out, qs)
+
+    def _held_for(self, row: DraftRow) -> _Held:
+        held = self._held.get(row.key)
+        if held is None or (held.start, held.capacity) != (row.start, row.capacity):
+            held = self._held[row.key] = _Held(row.start, row.capacity)  # new, or moved
+        return held
+
+    def _catch_up(self, rows: list[DraftRow]) -> torch.Tensor:
+        """1. Feed each row's entries from its first stale one through ``n - 2``; returns
+        the predicted ``f_{n-1}`` of each row [rows, d]."""
+        plans, tokens, rows_at = [], [], []
+        for r in rows:
+            held, n = self._held_for(r), len(r.context)
+            keep = min(common_prefix_len(held.tokens, r.context[1:]), n - 2)  # entry n-2 always runs
+            del held.tokens[keep:]
+            plans.append(RowPlan(r.start, keep, n - 1 - keep))
+            tokens.extend(r.context[1 + keep:])
+            rows_at.extend(range(r.start + keep, r.start + n - 1))
+        features = self.runner.features[torch.tensor(rows_at, device=self.runner.device)][None]
+        hidden = self._forward(plans, tokens, features)
+        for r in rows:
+            self._held[r.key].tokens = list(r.context[1:])
+        ends = torch.tensor([p.feed for p in plans]).cumsum(0) - 1
+        return hidden[ends.to(hidden.device)]
+
+    def _chain(self, rows: list[DraftRow], drafted: list[list[int]], features: torch.Tensor) -> torch.Tensor:
+        """2. One entry per row: (its predicted feature, its last draft); returns the next predictions."""
+        plans = [RowPlan(r.start, len(r.context) - 2 + len(d), 1) for r, d in zip(rows, drafted)]
+        return self._forward(plans, [d[-1] for d in drafted], features[None])
+
+    def _forward(self, plans: list[RowPlan], tokens: list[int], features: torch.Tensor) -> torch.Tensor:
+        """The head over one flat step of ``plans``; [T, d] predicted features."""
+        input_ids = torch.tensor([tokens], dtype=torch.long, device=self.runner.device)
+        position_ids, mask = self.cache.plan(plans)
+        try:
+            return self.head(features, input_ids, position_ids, mask, self.cache)[0]
+        finally:
+            self.cache.unbind()
+
+    def release(self, key: str) -> None:
+        self._held.pop(key, None)
