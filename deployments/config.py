@@ -38,6 +38,7 @@ def resolve_models(models: ModelConfig) -> ModelConfig:
             "target": resolve_model_path(models.target),
             "draft": resolve_model_path(models.draft),
             "early_exit_adapter": resolve_model_path(models.early_exit_adapter),
+            "eagle_head": resolve_model_path(models.eagle_head),
             "served_model_name": models.served_model_name
             or ("SmolLM2-135M-Instruct" if models.target == "demo:target" else None),
         }
@@ -45,7 +46,8 @@ def resolve_models(models: ModelConfig) -> ModelConfig:
 
 
 def resolve_model_path(name: str | None) -> str | None:
-    """``demo:target`` / ``demo:draft`` / ``demo:exit`` name what ``specdec demo-models`` builds."""
+    """``demo:target`` / ``demo:draft`` / ``demo:eagle`` / ``demo:exit`` name what ``specdec demo-models``
+    builds (``demo:exit`` with ``--early-exit``)."""
     if name is None or not name.startswith("demo:"):
         return name
     from specdec.demo import demo_paths
@@ -57,10 +59,10 @@ def resolve_model_path(name: str | None) -> str | None:
 
         adapter = demo_exit_adapter()
         if adapter is None:
-            raise ValueError("demo:exit is not built yet: run `specdec demo-models` first")
+            raise ValueError("demo:exit is not built yet: run `specdec demo-models --early-exit` first")
         return str(adapter)
-    if role not in ("target", "draft"):
-        raise ValueError(f"unknown demo model {name!r}: use demo:target, demo:draft or demo:exit")
+    if role not in ("target", "draft", "eagle"):
+        raise ValueError(f"unknown demo model {name!r}: use demo:target, demo:draft, demo:eagle or demo:exit")
     if not (paths[role] / "config.json").exists() and not any(paths[role].glob("*.json")):
         raise ValueError(f"{name} is not built yet: run `specdec demo-models` first")
     return str(paths[role])

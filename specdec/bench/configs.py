@@ -20,6 +20,7 @@ OUR_MODES: dict[str, tuple[str, ...]] = {
     "draft": ("fixed", "adaptive"),
     "ngram": ("fixed", "adaptive"),
     "early_exit": ("fixed",),
+    "eagle": ("fixed", "adaptive"),
     "auto": ("adaptive",),
 }
 

@@ -66,7 +66,8 @@ def tiny_pair(arch: str = "llama") -> dict[str, Path]:
 
 
 def resolve_models(opts: BenchOptions) -> tuple[str, str | None, dict]:
-    """Target, draft, and the early-exit settings (the demo's adapter; a raw exit on tiny)."""
+    """Target, draft, and the target-side drafters' settings (the demo's EAGLE head and exit
+    adapter, if built; a raw exit on tiny)."""
     if opts.target:
         return opts.target, opts.draft, {}
     if opts.tiny:
@@ -76,8 +77,8 @@ def resolve_models(opts: BenchOptions) -> tuple[str, str | None, dict]:
 
     build_demo_models()  # returns at once when cached
     paths, adapter = demo_paths(), demo_exit_adapter()
-    exit_ = {"early_exit_adapter": str(adapter)} if adapter else {}
-    return str(paths["target"]), opts.draft or str(paths["draft"]), exit_
+    local = {"eagle_head": str(paths["eagle"])} | ({"early_exit_adapter": str(adapter)} if adapter else {})
+    return str(paths["target"]), opts.draft or str(paths["draft"]), local
 
 
 class Bench:
@@ -88,10 +89,10 @@ class Bench:
         from specdec.engine import Engine
 
         self.opts = opts
-        self.target_path, self.draft_path, early_exit = resolve_models(opts)
+        self.target_path, self.draft_path, local = resolve_models(opts)
         self.engine = Engine.load(ModelConfig(
             target=self.target_path, draft=self.draft_path, dtype=opts.dtype, draft_dtype=opts.draft_dtype,
-            **early_exit,
+            **local,
         ))
         self.engine.eos_token_ids = frozenset()  # every run makes exactly max_tokens tokens
         self.tokenizer = self.engine.tokenizer

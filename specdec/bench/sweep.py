@@ -179,7 +179,8 @@ def _models(args) -> dict:
     paths = demo_paths()
     exit_adapter = demo_exit_adapter()
     return {"target": str(paths["target"]), "draft": str(paths["draft"]), "dtype": args.dtype,
-            "draft_dtype": "bfloat16", "early_exit_adapter": str(exit_adapter) if exit_adapter else None}
+            "draft_dtype": "bfloat16", "early_exit_adapter": str(exit_adapter) if exit_adapter else None,
+            "eagle_head": str(paths["eagle"])}
 
 
 def run(args) -> dict:

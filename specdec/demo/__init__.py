@@ -1,16 +1,20 @@
-"""The offline demo model pair: SmolLM2-135M-Instruct (target) and a distilled 2-layer draft.
+"""The offline demo models: SmolLM2-135M-Instruct (target), a distilled 2-layer draft and an
+EAGLE head, both trained on the target by this project.
 
 This package builds and trains the demo models; their definitions and loaders are
 :mod:`specdec.models` (which never imports this package).
 
-``build_demo_models()`` writes ``$SPECDEC_HOME/demo/{tokenizer,target,draft}`` and
-``metrics.json`` (``SPECDEC_HOME`` defaults to ``~/.cache/specdec``). The build runs in a temp
-directory next to the final one and is renamed into place at the end, so an interrupted build
-is never mistaken for a finished one. A second call finds the complete cache and returns at once.
+``build_demo_models()`` writes ``$SPECDEC_HOME/demo/{tokenizer,target,draft,eagle}`` and
+``metrics.json`` (``SPECDEC_HOME`` defaults to ``~/.cache/specdec``). By default it converts the
+target from the GGUF and takes the draft and the head from the weights shipped in the package
+(hashes checked; :mod:`specdec.demo.shipped`); ``train=True`` rebuilds everything from scratch
+(:mod:`specdec.demo.build`). Either runs in a temp directory next to the final one, renamed
+into place at the end, so an interrupted build is never mistaken for a finished one. A second
+call finds the complete cache and returns at once.
 
-Reproduce the demo pair from scratch::
+Rebuild and retrain from scratch (about an hour on 2 cores)::
 
-    python -c "from specdec.demo import build_demo_models; build_demo_models(force=True)"
+    specdec demo-models --train --force
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from pathlib import Path
 
 # Standard library only, so that a cache hit loads no torch; the builders (``build``,
 # ``exit_adapter``) are imported when a build runs.
-from specdec.models.files import DRAFT_FILES, DRAFT_MARKER, EXIT_FILES, EXIT_SUMMARY
+from specdec.models.files import DRAFT_FILES, DRAFT_MARKER, EAGLE_FILES, EXIT_FILES, EXIT_SUMMARY
 from specdec.paths import specdec_home
 
 from .config import BuildConfig
@@ -40,10 +44,11 @@ def demo_home(home: Path | str | None = None) -> Path:
 
 
 def demo_paths(home: Path | str | None = None) -> dict:
-    """``{"tokenizer": ..., "target": ..., "draft": ...}`` (plus ``"root"`` and ``"metrics"``)."""
+    """``{"tokenizer": ..., "target": ..., "draft": ..., "eagle": ...}`` (plus ``"root"``,
+    ``"metrics"`` and ``"exit"``)."""
     root = demo_home(home)
     return {"tokenizer": root / "tokenizer", "target": root / "target", "draft": root / "draft",
-            "root": root, "metrics": root / "metrics.json", "exit": root / "exit"}
+            "eagle": root / "eagle", "root": root, "metrics": root / "metrics.json", "exit": root / "exit"}
 
 
 def demo_exit_adapter(home: Path | str | None = None) -> Path | None:
@@ -58,6 +63,7 @@ def _complete(root: Path) -> bool:
     files += [p["tokenizer"] / f for f in _TOKENIZER_FILES]
     files += [p["target"] / f for f in _TARGET_FILES]
     files += [p["draft"] / f for f in _TOKENIZER_FILES + DRAFT_FILES]
+    files += [root / "eagle" / f for f in EAGLE_FILES]
     if not all(f.is_file() and f.stat().st_size > 0 for f in files):
         return False
     try:
@@ -117,47 +123,63 @@ def _ensure_exit(root: Path) -> None:
     add_exit_adapters(root)
 
 
-def build_demo_models(home: Path | str | None = None, *, force: bool = False, budget_s: float | None = None,
-                      seed: int = 0, config=None, early_exit: bool = True) -> Path:
+def build_demo_models(home: Path | str | None = None, *, force: bool = False, train: bool = False,
+                      budget_s: float | None = None, seed: int = 0, config=None, early_exit: bool = False) -> Path:
     """Build (or find cached) demo models; returns the ``demo`` directory.
 
-    ``budget_s`` caps the draft-training phase by wall-clock (the default fixed step count is
-    deterministic; a budget makes the result depend on machine speed). ``config`` (a
-    :class:`specdec.demo.config.BuildConfig`) overrides the default data/step sizes.
-    ``early_exit``: also build the early-exit adapters (``exit/``); a cache without them gets
-    them added (a few minutes, once) without rebuilding the target or the draft.
+    Without ``train``: convert the target and add the shipped draft and EAGLE head (about a
+    minute). ``train`` (or no shipped weights): the whole training build. ``budget_s`` caps its
+    training phase by wall-clock (the default fixed step counts are deterministic; a budget
+    makes the result depend on machine speed). ``config`` (a
+    :class:`specdec.demo.config.BuildConfig`) overrides its sizes. ``early_exit``: also build
+    the early-exit adapters (``exit/``, a few minutes; added to a finished cache without a rebuild).
     """
+    from . import shipped
+
     root = demo_home(home)
     if not force and _complete(root):
         print(f"[specdec demo] using cached demo models in {root}", file=sys.stderr)
         if early_exit:
             _ensure_exit(root)
         return root
-    from .build import build  # the builder loads torch: only when a build runs
-
     root.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_builds(root.parent)
     tmp = root.parent / f".demo.build-{os.getpid()}-{int(time.time())}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        if config is None:
-            config = BuildConfig(seed=seed, budget_s=budget_s, **({} if early_exit else {"exit_layers": ()}))
-        metrics = build(tmp, config)
-        if root.exists():
-            old = root.parent / f".demo.old-{os.getpid()}-{int(time.time())}"
-            root.rename(old)
-            tmp.rename(root)
-            shutil.rmtree(old, ignore_errors=True)
+        if train or not shipped.available():
+            from .build import build  # the builder loads torch: only when a build runs
+
+            metrics = build(tmp, config or BuildConfig(seed=seed, budget_s=budget_s))
         else:
-            tmp.rename(root)
+            metrics = shipped.assemble(tmp)
+        _swap_in(tmp, root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if early_exit:
         _ensure_exit(root)
-    d = metrics["draft"]
-    print(f"[specdec demo] built in {metrics['build_seconds']:.0f} s -> {root}\n"
-          f"  draft agreement: code {d['agreement_code_heldout']:.3f}, chat {d['agreement_chat_heldout']:.3f}; "
-          f"cost ratio c = {metrics['cost']['c']:.3f}", file=sys.stderr)
+    _report(root, metrics)
     return root
+
+
+def _swap_in(tmp: Path, root: Path) -> None:
+    if root.exists():
+        old = root.parent / f".demo.old-{os.getpid()}-{int(time.time())}"
+        root.rename(old)
+        tmp.rename(root)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(root)
+
+
+def _report(root: Path, metrics: dict) -> None:
+    d, e = metrics["draft"], metrics["eagle"]
+    how = (f"assembled in {metrics['assembled']['seconds']:.0f} s" if "assembled" in metrics
+           else f"built in {metrics['build_seconds']:.0f} s")
+    print(f"[specdec demo] {how} -> {root}\n"
+          f"  draft agreement: code {d['agreement_code_heldout']:.3f}, chat {d['agreement_chat_heldout']:.3f}; "
+          f"c = {metrics['cost']['c']:.3f}\n"
+          f"  EAGLE agreement: code {e['agreement_code_heldout']:.3f}, chat {e['agreement_chat_heldout']:.3f}; "
+          f"c = {e['cost']['c']:.3f}", file=sys.stderr)

