@@ -146,7 +146,8 @@ class Engine:
         """The mode a request runs in: its own, else the default; the kill switch wins."""
         mode = mode or self.policy_config.default_mode or self.speculation.mode
         if mode not in ("auto", "off") and mode not in self.drafters:
-            raise ValueError(f"speculation mode {mode!r} is not available (no draft model configured)")
+            raise ValueError(f"speculation mode {mode!r} is not available: this model offers "
+                             f"{', '.join(['auto', 'off', *self.drafters])}")
         return "off" if self.policy_config.kill_switch else mode
 
     def encode(self, prompt: str | None = None, messages: list[dict] | None = None, *,

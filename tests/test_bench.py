@@ -236,8 +236,8 @@ def test_concurrency_sweep_against_a_fake_server(fake_url):
 
 def test_config_list_and_filters(monkeypatch):
     names = [c.name for c in build_configs((4,), quick=True, http=False)]
-    assert names == ["off", "draft-k4", "ngram-k4", "early_exit-k4", "draft-adaptive", "auto", "hf-plain", "hf-assisted-k4",
-                     "hf-assisted-heuristic", "hf-lookup-k10"]
+    assert names == ["off", "draft-k4", "ngram-k4", "early_exit-k4", "eagle-k4", "draft-adaptive", "eagle-adaptive",
+                     "auto", "hf-plain", "hf-assisted-k4", "hf-assisted-heuristic", "hf-lookup-k10"]
     full = build_configs((2, 4, 6), quick=False, http=True)
     assert {"draft-k2", "draft-k6", "ngram-k6", "ngram-adaptive", "hf-assisted-default", "hf-lookup-k2",
             "http-off", "http-draft-k4", "http-auto"} <= {c.name for c in full}
@@ -275,8 +275,8 @@ def test_quick_tiny_run_writes_every_field(tiny_home, capsys):
     table = capsys.readouterr().out
     assert "== grounded ==" in table and "== targets ==" in table
 
-    expected = [c.name for c in build_configs((4,), quick=True, http=False)]
-    assert report["skipped"] == []
+    expected = [c.name for c in build_configs((4,), quick=True, http=False) if not c.name.startswith("eagle")]
+    assert [s["name"] for s in report["skipped"]] == ["eagle-k4", "eagle-adaptive"]  # the tiny pair has no head
     assert report["models"]["drafters"] == ["draft", "early_exit", "ngram"]
     # v(k) at --ks and below, the policy's k_max (8) and transformers' lookup default (10).
     assert report["costs"]["c"] > 0 and set(report["costs"]["v"]) == {"0", "1", "2", "3", "4", "8", "10"}
@@ -343,7 +343,8 @@ def test_quick_tiny_run_with_a_server(tiny_home, fake_url, capsys):
     report = json.loads(out.read_text())
     assert "== HTTP concurrency ==" in capsys.readouterr().out
     names = [r["name"] for r in report["configurations"] if r["workload"] == "chat"]
-    assert names == ["off", "draft-k4", "auto", "http-off", "http-draft-k4", "http-ngram-k4", "http-early_exit-k4", "http-auto"]
+    assert names == ["off", "draft-k4", "auto", "http-off", "http-draft-k4", "http-ngram-k4", "http-early_exit-k4",
+                     "http-eagle-k4", "http-auto"]
     http = [r for r in report["configurations"] if r["runner"] == "http"]
     for r in http:
         assert set(r) == set(ROW_FIELDS)
@@ -363,7 +364,8 @@ def test_quick_tiny_run_with_a_server(tiny_home, fake_url, capsys):
     sent = {json.dumps(b["speculation"], sort_keys=True) for b in FakeServer.bodies}
     assert sent == {'{"mode": "off"}', '{"mode": "draft", "num_speculative_tokens": 4}',
                     '{"mode": "ngram", "num_speculative_tokens": 4}',
-                    '{"mode": "early_exit", "num_speculative_tokens": 4}', '{"mode": "auto"}'}
+                    '{"mode": "early_exit", "num_speculative_tokens": 4}',
+                    '{"mode": "eagle", "num_speculative_tokens": 4}', '{"mode": "auto"}'}
 
 
 def test_ideal_from_measured_tokens_credits_runs_of_acceptance():

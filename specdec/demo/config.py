@@ -44,6 +44,6 @@ class BuildConfig:
     # the EAGLE head (phase 7): one layer on the target's features, the draft's vocabulary
     eagle_steps: int = 360
     eagle_lr: float = 2e-3
-    eagle_intermediate_size: int | None = None  # None: the target's MLP width
+    eagle_intermediate_size: int | None = 1024  # the head layer's MLP (the target's: 1536); keeps the shipped weights under 30 MB
     exit_layers: tuple = ()  # early-exit adapters after these layers (`--early-exit` adds layer 8)
     log: list = field(default_factory=list)

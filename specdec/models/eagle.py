@@ -155,8 +155,13 @@ def is_eagle_dir(path) -> bool:
 
 
 def load_eagle_head(path, target: nn.Module, dtype: torch.dtype = torch.float32) -> EagleHead:
-    """A head directory (ours or EAGLE-1's released layout), bound to ``target``, in eval mode."""
+    """A head directory (ours or EAGLE-1's released layout; a Hugging Face repo id is
+    downloaded first), bound to ``target``, in eval mode."""
     path = Path(path)
+    if not path.exists() and "/" in str(path) and not str(path).startswith(("/", ".")):
+        from huggingface_hub import snapshot_download
+
+        path = Path(snapshot_download(str(path)))
     if (path / EAGLE_MARKER).is_file():
         meta = json.loads((path / EAGLE_MARKER).read_text())
         if meta.get("format") != EAGLE_FORMAT:
