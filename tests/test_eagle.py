@@ -104,6 +104,8 @@ def test_sampled_eagle_has_the_target_distribution(engine, monkeypatch):
     """Chi-square over the first 3 sampled tokens (top_k=3: 27 cells) at significance 1e-3,
     2000 seeded samples batched 16 at a time. Negative control: a verifier that accepts every
     draft (its output is the head's distribution) fails the same test."""
+    if engine.loop.target.runner.model.config.model_type != "llama":
+        pytest.skip("one architecture suffices: verification never looks at the model")
     ids = engine.encode(prompt=PROMPTS[4])
     n = 2000
     exact, counts, drafted = batched_cells(engine, ids, n, "eagle")

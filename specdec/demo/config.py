@@ -42,7 +42,7 @@ class BuildConfig:
     budget_s: float | None = None
     threads: int | None = None  # torch threads for the build (None: torch's default)
     # the EAGLE head (phase 7): one layer on the target's features, the draft's vocabulary
-    eagle_steps: int = 360
+    eagle_steps: int = 720
     eagle_lr: float = 2e-3
     eagle_intermediate_size: int | None = 1024  # the head layer's MLP (the target's: 1536); keeps the shipped weights under 30 MB
     exit_layers: tuple = ()  # early-exit adapters after these layers (`--early-exit` adds layer 8)
