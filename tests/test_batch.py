@@ -27,7 +27,7 @@ from specdec.runner import ModelRunner, load_model
 from specdec.sampling import SamplingParams, logits_to_probs, make_generator
 from specdec.tiny import synthetic_corpus
 from specdec.verify import verify_greedy, verify_sampled
-from three_tokens import batched_cells, batched_pvalue
+from three_tokens import batched_test_and_control
 
 PROMPTS = [" ".join(p.split()[:4]) for p in synthetic_corpus(n_sentences=12, seed=99)]
 
@@ -277,11 +277,9 @@ def test_sampled_output_has_the_target_distribution_under_batching(llama_pair, m
                                      dtype="float32"), kv_cache_tokens=4096)
     ids = engine.encode(prompt=PROMPTS[4])
     n = 3000
-    exact, counts, drafted = batched_cells(engine, ids, n, "draft")
-    assert drafted >= n and counts["impossible"] == 0 and batched_pvalue(exact, counts, n) > 1e-3
-    monkeypatch.setattr(batch_verify, "acceptance_probs", lambda x, q, p: torch.ones(len(x)))
-    exact, counts, _ = batched_cells(engine, ids, n, "draft")
-    assert counts["impossible"] > 0 or batched_pvalue(exact, counts, n) < 1e-3
+    honest, control = batched_test_and_control(engine, ids, n, "draft", monkeypatch)
+    assert honest["drafted"] >= n and honest["impossible"] == 0 and honest["p"] > 1e-3
+    assert control["impossible"] > 0 or control["p"] < 1e-3
 
 
 def test_the_sweep_reports_every_level_and_mode(llama_pair):

