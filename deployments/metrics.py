@@ -28,7 +28,7 @@ from ray.serve import metrics
 
 if TYPE_CHECKING:  # annotations only
     from specdec.batch.loop import Event
-    from specdec.decoding import RoundStats
+    from specdec.stats import RoundStats
 
 _LATENCY = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30]
 _E2E = [0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300]

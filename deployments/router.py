@@ -29,7 +29,7 @@ from deployments.metrics import UnitMetrics
 from deployments.protocol import UnitRequest
 from deployments.workers import DraftWorker, RemoteDraft, RemoteTarget, TargetWorker
 from specdec import telemetry
-from specdec.drafters.model import check_same_vocabulary
+from specdec.loading import check_same_vocabulary
 from specdec.engine import Engine, PromptTooLong, available_modes, draft_tokenizer, target_tokenizer
 from specdec.policy import PolicyConfig
 from specdec.sampling import SamplingParams

@@ -25,6 +25,7 @@ import torch
 
 from specdec.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal
 from specdec.runner import ModelRunner
+from specdec.stats import RoundStats
 from specdec.sampling import SamplingParams, logits_to_probs, make_generator
 from specdec.verify import Verdict, verify_greedy, verify_sampled
 
@@ -130,27 +131,6 @@ class LocalTarget:
 
     def release(self, seq_id: str) -> None:
         self.runner.release(seq_id)
-
-
-@dataclass
-class RoundStats:
-    """What one round did. ``accepted`` counts drafts kept; ``emitted`` adds the recovered or
-    bonus token and is cut by EOS / max_tokens."""
-
-    index: int
-    mode: str  # "prefill", "off" (a plain step), or the drafter's name
-    k: int
-    drafted: int
-    accepted: int
-    emitted: int
-    draft_s: float
-    verify_s: float
-    started_at: float = 0.0  # wall clock (time.time()) when the round began, for traces
-    draft_error: str | None = None  # the drafter failed this round; it ran as a plain step
-
-    @property
-    def bonus(self) -> bool:
-        return self.drafted > 0 and self.accepted == self.drafted
 
 
 @dataclass

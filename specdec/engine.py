@@ -20,15 +20,14 @@ from specdec.batch.loop import Event, GenerationRequest, StepLoop
 from specdec.batch.runner import BatchRunner
 from specdec.batch.target import TargetStep
 from specdec.config import ModelConfig, SpeculationConfig
-from specdec.decoding import RoundStats  # noqa: F401  (Completion.rounds)
 from specdec.drafters.eagle import EagleBatchDrafter
 from specdec.drafters.early_exit import exit_parts
-from specdec.drafters.model import check_same_vocabulary
+from specdec.loading import check_same_vocabulary
 from specdec.models.eagle import load_eagle_head
 from specdec.policy import PolicyConfig
-from specdec.runner import DTYPES, load_model, load_tokenizer
+from specdec.loading import DTYPES, load_model, load_tokenizer
 from specdec.sampling import SamplingParams
-from specdec.stats import SpeculationSummary
+from specdec.stats import RoundStats, SpeculationSummary
 
 __all__ = ["Completion", "Engine", "Event", "PromptTooLong", "eos_token_ids", "draft_tokenizer", "load_draft_step", "load_target_step", "local_parts", "target_tokenizer"]
 

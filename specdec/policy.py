@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from specdec import telemetry
 from specdec.config import Mode
-from specdec.decoding import RoundStats
+from specdec.stats import RoundStats
 
 
 def expected_tokens(a: float, k: int) -> float:

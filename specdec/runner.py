@@ -13,57 +13,14 @@ import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import DynamicCache
 
-from specdec.models.draft import load_draft
-from specdec.models.files import DRAFT_MARKER
+from specdec.batch.runner import common_prefix_len
+from specdec.loading import model_max_length
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(device: str = "auto") -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
-
-
-def load_model(name_or_path: str, dtype: str = "float32", device: str = "cpu", *, revision: str | None = None,
-               trust_remote_code: bool = False) -> torch.nn.Module:
-    """Load a causal LM from a local path or a hub id (at ``revision``), in eval mode, on ``device``."""
-    torch_dtype = DTYPES[dtype]
-    # A project-built draft (reduced output vocabulary) carries this marker and its own loader.
-    if (Path(name_or_path) / DRAFT_MARKER).exists():
-        model = load_draft(name_or_path, dtype=torch_dtype)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(
-            name_or_path, dtype=torch_dtype, revision=revision, trust_remote_code=trust_remote_code
-        )
-    return model.to(resolve_device(device)).eval()
-
-
-def model_max_length(config) -> int | None:
-    """The longest sequence a model's positions allow (Llama-style or GPT-2 configs)."""
-    return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-
-
-def load_tokenizer(name_or_path: str, *, revision: str | None = None, trust_remote_code: bool = False):
-    return AutoTokenizer.from_pretrained(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
-
-
-def common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:  # the usual case: one extends the other
-        return n
-    i = 0
-    while a[i] == b[i]:
-        i += 1
-    return i
-
 
 @dataclass
 class SequenceCache:

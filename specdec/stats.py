@@ -14,10 +14,28 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # annotations only: the trace CLI uses percentile without loading torch
-    from specdec.decoding import RoundStats
+
+@dataclass
+class RoundStats:
+    """What one round of one request did. ``accepted`` counts drafts kept; ``emitted`` adds the
+    recovered or bonus token and is cut by EOS / max_tokens."""
+
+    index: int
+    mode: str  # "prefill" (round 0), "off" (a plain step), or the drafter's name
+    k: int
+    drafted: int
+    accepted: int
+    emitted: int
+    draft_s: float
+    verify_s: float
+    started_at: float = 0.0  # wall clock (time.time()) when the step began, for traces
+    draft_error: str | None = None  # the drafter failed this round; it ran as a plain step
+    events: tuple[str, ...] = ()  # the policy's decisions taken before this round ("probe:draft", ...)
+
+    @property
+    def bonus(self) -> bool:
+        return self.drafted > 0 and self.accepted == self.drafted
 
 
 @dataclass(frozen=True)

@@ -95,8 +95,7 @@ from opentelemetry.sdk.trace.sampling import ParentBased, Sampler, TraceIdRatioB
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from specdec.decoding import RoundStats
-from specdec.stats import SpeculationSummary
+from specdec.stats import RoundStats, SpeculationSummary
 from specdec.tracing.format import (  # noqa: F401  (the attribute schema is part of this API)
     ERROR_TYPE,
     EVENT_FALLBACK,

@@ -33,7 +33,7 @@ from deployments.autoscaling import (
 )
 from deployments.lint import lint_config
 from deployments.router import SpecRouter
-from specdec.decoding import RoundStats
+from specdec.stats import RoundStats
 
 ROOT = Path(__file__).resolve().parents[1]
 P = PolicyParams(target_tokens_per_s=20, target_ongoing_requests=4, max_requests_per_unit=16)

@@ -23,7 +23,8 @@ from specdec.batch.schedule import Candidate, StepCosts, allocate
 from specdec.batch.verify import VerifyRow, batched_probs, verify_batch
 from specdec.config import ModelConfig, SpeculationConfig
 from specdec.engine import Engine
-from specdec.runner import ModelRunner, load_model
+from specdec.runner import ModelRunner
+from specdec.loading import load_model
 from specdec.sampling import SamplingParams, logits_to_probs, make_generator
 from specdec.tiny import synthetic_corpus
 from specdec.verify import verify_greedy, verify_sampled

@@ -10,7 +10,7 @@ import specdec.runner as runner_mod
 from specdec.batch.runner import BatchRunner
 from specdec.config import ModelConfig, SpeculationConfig
 from specdec.engine import draft_tokenizer, target_tokenizer
-from specdec.runner import load_model
+from specdec.loading import load_model
 
 
 def test_revision_and_remote_code_reach_from_pretrained(monkeypatch, llama_pair):

@@ -9,7 +9,8 @@ from specdec.decoding import DecodeRequest, LocalTarget, decode
 from specdec.drafters.model import ModelDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.engine import Engine
-from specdec.runner import ModelRunner, load_model, load_tokenizer
+from specdec.runner import ModelRunner
+from specdec.loading import load_model, load_tokenizer
 from specdec.sampling import SamplingParams, logits_to_probs
 from specdec.tiny import synthetic_corpus
 from three_tokens import three_token_pvalue

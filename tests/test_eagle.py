@@ -18,7 +18,7 @@ from specdec.demo.eagle import EagleTrainConfig, eagle_agreement, init_eagle_hea
 from specdec.demo.teacher import teacher_code
 from specdec.engine import Engine
 from specdec.models.eagle import EagleHead, eagle_config, load_eagle_head, save_eagle_head
-from specdec.runner import load_model, load_tokenizer
+from specdec.loading import load_model, load_tokenizer
 from specdec.tiny import synthetic_corpus
 from three_tokens import batched_test_and_control
 

@@ -15,7 +15,8 @@ from specdec.drafters.base import Proposal
 from specdec.drafters.early_exit import EarlyExitDrafter, RawExit, ShallowStack
 from specdec.engine import Engine
 from specdec.models.exit_adapter import load_exit_adapter, save_exit_adapter
-from specdec.runner import ModelRunner, load_model, load_tokenizer
+from specdec.runner import ModelRunner
+from specdec.loading import load_model, load_tokenizer
 from specdec.sampling import SamplingParams
 from specdec.tiny import synthetic_corpus
 from three_tokens import three_token_pvalue

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specdec.config import ModelConfig, SpeculationConfig
-from specdec.decoding import RoundStats
+from specdec.stats import RoundStats
 from specdec.engine import Engine
 from specdec.policy import (
     CostModel,
@@ -17,7 +17,7 @@ from specdec.policy import (
     expected_speedup,
     expected_tokens,
 )
-from specdec.runner import load_model
+from specdec.loading import load_model
 from specdec.sampling import SamplingParams
 
 

@@ -1,7 +1,9 @@
 import pytest
 import torch
 
-from specdec.runner import ModelRunner, common_prefix_len, load_model
+from specdec.batch.runner import common_prefix_len
+from specdec.runner import ModelRunner
+from specdec.loading import load_model
 
 
 @pytest.fixture(scope="module", params=["llama", "gpt2"])

@@ -20,7 +20,8 @@ from specdec.tracing.reader import load_traces
 from specdec.decoding import DecodeRequest, LocalTarget, decode
 from specdec.demo.eagle import EagleTrainConfig, init_eagle_head
 from specdec.models.eagle import save_eagle_head
-from specdec.runner import ModelRunner, load_model, load_tokenizer
+from specdec.runner import ModelRunner
+from specdec.loading import load_model, load_tokenizer
 
 PORT = 8123
 BASE = f"http://127.0.0.1:{PORT}"

@@ -19,9 +19,19 @@ import torch
 
 from specdec.batch.attention import use_ragged
 from specdec.batch.cache import FlatBatchCache, RowPlan, kv_shape
-from specdec.runner import common_prefix_len, model_max_length
+from specdec.loading import model_max_length
 
 log = logging.getLogger(__name__)
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the usual case: one extends the other
+        return n
+    i = 0
+    while a[i] == b[i]:
+        i += 1
+    return i
 
 
 @dataclass

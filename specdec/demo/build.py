@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 
 from specdec.models.draft import ReducedHeadLlamaForCausalLM, draft_llama_config, load_draft, save_draft
 from specdec.models.eagle import load_eagle_head, save_eagle_head
-from specdec.runner import DTYPES
+from specdec.loading import DTYPES
 
 from .config import BuildConfig
 from .corpus import code_chunks, file_heads, function_snippets, read, split_files, stdlib_files

@@ -35,7 +35,7 @@ from specdec.batch.drafters import DraftRow, choose_tokens, proposals_of
 from specdec.batch.runner import BatchRow, BatchRunner
 from specdec.drafters.base import Proposal
 from specdec.models.eagle import EagleHead
-from specdec.runner import common_prefix_len
+from specdec.batch.runner import common_prefix_len
 from specdec.sampling import make_generator
 
 

@@ -50,7 +50,7 @@ from specdec.paths import specdec_home
 from specdec.tracing.otlp import LineEncoder
 
 if TYPE_CHECKING:
-    from specdec.decoding import RoundStats
+    from specdec.stats import RoundStats
 
 log = logging.getLogger(__name__)
 
