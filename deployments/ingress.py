@@ -19,7 +19,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments import auth, limits, proxy
 from deployments.config import RequestLimits
-from deployments.protocol import ChatCompletionRequest, CompletionRequest, UnitRequest, error_body
+from deployments.protocol import (
+    ChatCompletionRequest, CompletionRequest, Delta, End, Error, Start, UnitEvent, UnitRequest, error_body,
+)
 from specdec import telemetry
 
 log = logging.getLogger("ray.serve")
@@ -65,7 +67,7 @@ def _sse(obj: dict | str) -> str:
 class _Response:
     """Assembles OpenAI completion / chat completion objects from the router's events."""
 
-    def __init__(self, request_id: str, model: str, chat: bool, return_token_ids: bool, start: dict,
+    def __init__(self, request_id: str, model: str, chat: bool, return_token_ids: bool, start: Start,
                  include_usage: bool = False, fingerprint: str | None = None):
         self.id, self.model, self.chat = request_id, model, chat
         self.fingerprint = fingerprint
@@ -73,29 +75,29 @@ class _Response:
         self.created = int(time.time())
         self.text: list[str] = []
         self.token_ids: list[int] = []
-        self.end: dict | None = None
-        self.error: dict | None = None
-        self.mode = start["mode"]
+        self.end: End | None = None
+        self.error: Error | None = None
+        self.mode = start.mode
 
     @property
     def object(self) -> str:
         return "chat.completion" if self.chat else "text_completion"
 
-    def add(self, event: dict) -> None:
-        if event["type"] == "delta":
-            self.text.append(event["text"])
-            self.token_ids.extend(event["token_ids"])
-        elif event["type"] == "end":
+    def add(self, event: UnitEvent) -> None:
+        if isinstance(event, Delta):
+            self.text.append(event.text)
+            self.token_ids.extend(event.token_ids)
+        elif isinstance(event, End):
             self.end = event
-        elif event["type"] == "error":
+        elif isinstance(event, Error):
             self.error = event
 
     def _usage(self) -> dict:
-        p, c = self.end["prompt_tokens"], self.end["completion_tokens"]
+        p, c = self.end.prompt_tokens, self.end.completion_tokens
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
     def _finish(self) -> str:
-        reason = self.end["finish_reason"]
+        reason = self.end.finish_reason
         return reason if reason in ("stop", "length") else "stop"
 
     def final(self) -> dict:
@@ -115,7 +117,7 @@ class _Response:
             "system_fingerprint": self.fingerprint,
             "choices": [choice],
             "usage": self._usage(),
-            "speculation": self.end["speculation"],
+            "speculation": self.end.speculation,
         }
 
     def _chunk(self, text: str, token_ids: list[int] | None, finish: str | None, first: bool = False) -> dict:
@@ -137,17 +139,17 @@ class _Response:
         try:
             async for event in events:
                 self.add(event)
-                if event["type"] == "delta":
-                    yield _sse(self._chunk(event["text"], event["token_ids"], None, first))
+                if isinstance(event, Delta):
+                    yield _sse(self._chunk(event.text, event.token_ids, None, first))
                     first = False
-                elif event["type"] == "error":
-                    yield _sse(error_body(event["message"], type_="server_error"))
+                elif isinstance(event, Error):
+                    yield _sse(error_body(event.message, type_="server_error"))
         except Exception as exc:  # the router replica died or the call failed
             log.warning("stream %s failed: %s", self.id, type(exc).__name__)
             yield _sse(error_body(_unit_failed(exc), type_="server_error", code="unit_failed"))
         if self.end is not None:
             last = self._chunk("", [], self._finish())
-            last["speculation"] = self.end["speculation"]
+            last["speculation"] = self.end.speculation
             yield _sse(last)
             if self.include_usage:  # OpenAI: one more chunk, no choices, the usage
                 usage = {"id": self.id, "object": last["object"], "created": self.created, "model": self.model,
@@ -276,11 +278,11 @@ class Ingress:
         except Exception as exc:  # the router replica died before answering: nothing was generated
             log.warning("request %s failed: %s", request_id, type(exc).__name__)
             return _unavailable(exc)
-        if first["type"] == "error":
-            return _error(first["status"], first["message"], param=first.get("param"), code=first.get("code"))
-        headers = {"x-specdec-mode": first["mode"]}
-        if first.get("traceparent"):  # the request span: find it with `specdec traces show`
-            headers["traceparent"] = first["traceparent"]
+        if isinstance(first, Error):
+            return _error(first.status, first.message, param=first.param, code=first.code)
+        headers = {"x-specdec-mode": first.mode}
+        if first.traceparent:  # the request span: find it with `specdec traces show`
+            headers["traceparent"] = first.traceparent
         response = _Response(request_id, unit.name, chat, body.return_token_ids, first,
                              body.include_usage, unit.fingerprint)
         if body.stream:
@@ -294,5 +296,5 @@ class Ingress:
             log.warning("request %s failed: %s", request_id, type(exc).__name__)
             return _unavailable(exc)
         if response.error:
-            return _error(500, response.error["message"])
+            return _error(500, response.error.message)
         return JSONResponse(response.final(), headers=headers)

@@ -1,6 +1,6 @@
 """Prometheus metrics of a unit, through ``ray.serve.metrics`` (Ray's metrics endpoint).
 
-The numbers come from ``specdec`` data (each round's ``RoundStats``, the loop's ``Event``, the
+The numbers come from ``specdec`` data (each round's ``RoundStats``, the loop's ``RoundEvent``, the
 request's outcome and the policy's summary); this module only exports them. Names, types,
 labels and PromQL as Prometheus shows them (``ray_`` prefix, ``_total`` on counters) are in
 ``docs/metrics.md``; ``cluster/grafana_dashboard.json`` charts them and ``tests/test_metrics.py``
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from ray.serve import metrics
 
 if TYPE_CHECKING:  # annotations only
-    from specdec.batch.loop import Event
+    from specdec.engine.events import RoundEvent
     from specdec.stats import RoundStats
 
 _LATENCY = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30]
@@ -86,7 +86,7 @@ class UnitMetrics:
         with self._lock:
             return dict(self._active)
 
-    def event(self, event: Event, mode: str) -> None:
+    def event(self, event: RoundEvent, mode: str) -> None:
         """One event of a request running in ``mode``: its round, and on the first its queue time."""
         if event.queued_s is not None:
             self.queue.observe(event.queued_s, tags={"mode": mode})

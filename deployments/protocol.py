@@ -165,5 +165,50 @@ class UnitRequest:
         return self.messages is not None
 
 
+# --- the unit's answer, event by event (router -> ingress) ------------------------------
+
+
+@dataclass(frozen=True)
+class Start:
+    """The request was accepted: its mode and its trace (``traceparent`` of the request span)."""
+
+    prompt_tokens: int
+    mode: str
+    traceparent: str | None = None
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One round's new text and token ids."""
+
+    text: str
+    token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class End:
+    """The request finished: why, what it used, and what speculation did (``speculation``:
+    ``SpeculationSummary`` fields plus the controller's summary)."""
+
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    speculation: dict
+    trace_id: str | None = None
+
+
+@dataclass(frozen=True)
+class Error:
+    """The unit refused (``status`` 4xx, before ``Start``) or failed (500) the request."""
+
+    status: int
+    message: str
+    param: str | None = None
+    code: str | None = None
+
+
+UnitEvent = Start | Delta | End | Error
+
+
 def error_body(message: str, *, type_: str, param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}

@@ -1,21 +1,18 @@
 """SpecRouter: one replica is one unit of (router, target, draft) on one node.
 
-The router owns every request's token ids and runs the speculation loop
-(``specdec.decoding.decode`` through ``specdec.engine.Engine``). With
-``colocation: actors`` it starts a TargetWorker and a DraftWorker as child actors in its own
-STRICT_PACK placement group (bundles 1 and 2), so both land on its node; with
-``colocation: in_process`` it loads both models itself. The loop is synchronous and runs in
-a thread per request; its events are streamed back to the ingress.
+The router owns every request's token ids and runs the unit's step loop
+(``specdec.engine``). With ``colocation: actors`` it starts a TargetWorker and a DraftWorker as
+child actors in its own STRICT_PACK placement group (bundles 1 and 2), so both land on its
+node; with ``colocation: in_process`` it loads both models itself. One step loop thread serves
+every request; each request is an asyncio task awaiting its handle's events, and streams typed
+events (``deployments.protocol``: Start, Delta..., End, or Error) back to the ingress.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import ray
 import torch
@@ -26,11 +23,12 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from deployments.autoscaling import StatsRecorder, UnitTotals
 from deployments.config import UnitArgs
 from deployments.metrics import UnitMetrics
-from deployments.protocol import UnitRequest
+from deployments.protocol import Delta, End, Error, Start, UnitRequest
 from deployments.workers import DraftWorker, RemoteDraft, RemoteTarget, TargetWorker
 from specdec import telemetry
 from specdec.loading import check_same_vocabulary
-from specdec.engine import Engine, PromptTooLong, available_modes, draft_tokenizer, target_tokenizer
+from specdec.engine import Engine, PromptTooLong, draft_tokenizer, target_tokenizer
+from specdec.engine.loop import GenerationRequest
 from specdec.policy import PolicyConfig
 from specdec.sampling import SamplingParams
 from specdec.stats import SpeculationSummary
@@ -80,26 +78,16 @@ def build_engine(args: UnitArgs) -> tuple[Engine, dict]:
         check_same_vocabulary(tokenizer, draft_tokenizer(models))
         draft_actor = DraftWorker.options(
             **_worker_options("draft", DRAFT_BUNDLE, res.draft_cpus, res.draft_gpus)
-        ).remote(models, info["capacity_tokens"], args.trace_sample_ratio, args.torch_threads)
+        ).remote(models, spec, info["capacity_tokens"], args.trace_sample_ratio, args.torch_threads)
         ray.get(draft_actor.ready.remote())
         draft = RemoteDraft(draft_actor, args.draft_timeout_s)
         actors["draft"] = draft_actor
     engine = Engine.from_parts(
         tokenizer, RemoteTarget(target_actor, info["max_length"], args.worker_timeout_s), draft,
-        available_modes(models), eos_token_ids=info["eos_token_ids"], capacity_tokens=info["capacity_tokens"],
+        models, eos_token_ids=info["eos_token_ids"], capacity_tokens=info["capacity_tokens"],
         max_length=info["max_length"], speculation=spec, **sizes,
     )
     return engine, actors
-
-
-@dataclass
-class _Done:
-    """What a request's rounds came to."""
-
-    rounds: list = field(default_factory=list)
-    produced: int = 0
-    finish: str | None = None
-    controller: dict = field(default_factory=dict)  # the speculation controller's summary
 
 
 class RequestError(ValueError):
@@ -119,7 +107,6 @@ class SpecRouter:
         self.model_name = self.args.models.name
         self.engine, self.actors = build_engine(self.args)
         self.engine.max_token_bytes  # computed now (a vocabulary pass), not on the first request
-        self._pool = ThreadPoolExecutor(max_workers=self.args.max_concurrent_requests)
         self.metrics = UnitMetrics(self.model_name)
         self.totals = UnitTotals()  # what the unit produced: its autoscaling capacity
         self._autoscaling_stats = StatsRecorder()
@@ -144,7 +131,8 @@ class SpecRouter:
             "policy": self.engine.policy_config.model_dump(),
         }
 
-    def _prepare(self, req: UnitRequest) -> tuple[list[int], dict]:
+    def _prepare(self, req: UnitRequest) -> GenerationRequest:
+        """The request tokenized, defaulted and validated once; a refusal is the client's 400."""
         engine = self.engine
         try:
             mode = engine.resolve_mode(req.mode)
@@ -177,105 +165,66 @@ class SpecRouter:
             params = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed)
         except ValueError as exc:
             raise RequestError(str(exc), "temperature") from exc
-        kwargs = dict(
-            max_tokens=max_tokens,
-            params=params,
-            stop=req.stop,
-            mode=mode,
-            k=req.k,  # the policy caps it at the operator's k_max
-            ignore_eos=req.ignore_eos,
-            stop_token_ids=req.stop_token_ids,
-            min_tokens=req.min_tokens,
-        )
         try:
-            engine.request(ids, **kwargs)  # validated once here: a refusal is the client's 400
+            return engine.request(ids, max_tokens=max_tokens, params=params, stop=req.stop, mode=mode,
+                                  k=req.k,  # the policy caps it at the operator's k_max
+                                  ignore_eos=req.ignore_eos, stop_token_ids=req.stop_token_ids,
+                                  min_tokens=req.min_tokens)
         except ValueError as exc:
             raise RequestError(str(exc), "max_tokens") from exc
-        kwargs["request_id"] = req.request_id  # for traces; never a cache key
-        return ids, kwargs
 
-    def _run(self, req: UnitRequest, emit, cancelled: threading.Event) -> None:
-        """The loop, in a worker thread: emits a 'start' event, the rounds, then 'end'."""
-        try:
-            ids, kwargs = self._prepare(req)
+    async def generate(self, req: UnitRequest):
+        """The request's typed events: ``Start``, ``Delta`` per round, ``End``; or one ``Error``
+        (400 before ``Start`` for a refused request, 500 if the unit failed it)."""
+        try:  # tokenizing a long prompt is CPU work: off the event loop
+            greq = await asyncio.to_thread(self._prepare, req)
         except RequestError as exc:
-            emit({"type": "error", "status": 400, "message": str(exc), "param": exc.param, "code": exc.code})
+            yield Error(400, str(exc), exc.param, exc.code)
             return
-        mode, params = kwargs["mode"], kwargs["params"]
+        try:
+            async for event in self._run(req, greq):
+                yield event
+        except Exception as exc:  # never let a request take the replica down
+            log.exception("request failed")
+            yield Error(500, f"internal error: {type(exc).__name__}")
+
+    async def _run(self, req: UnitRequest, greq: GenerationRequest):
+        params, prompt_tokens = greq.params, len(greq.prompt_ids)
         attrs = telemetry.request_attributes(
             operation="chat" if req.chat else "text_completion", model=self.model_name,
-            request_id=kwargs["request_id"], max_tokens=kwargs["max_tokens"], temperature=params.temperature,
-            top_p=params.top_p, top_k=params.top_k, seed=params.seed, mode=mode,
+            request_id=req.request_id, max_tokens=greq.max_tokens, temperature=params.temperature,
+            top_p=params.top_p, top_k=params.top_k, seed=params.seed, mode=greq.mode,
         )
         with telemetry.request_span(carrier=req.trace_context, attributes=attrs,
                                     trust_incoming=self.args.trace_trust_incoming) as trace:
-            emit({"type": "start", "prompt_tokens": len(ids), "mode": mode,
-                  "traceparent": telemetry.inject(trace.span).get("traceparent")})
-            done = self._rounds(trace, ids, kwargs, emit, cancelled)
-            summary = SpeculationSummary.from_rounds(mode, done.rounds)
-            trace.finish(mode=summary.mode, finish_reason=done.finish, input_tokens=len(ids),
-                         output_tokens=done.produced)
-            emit({
-                "type": "end", "finish_reason": done.finish, "prompt_tokens": len(ids),
-                "completion_tokens": done.produced, "speculation": {**summary.to_dict(), **done.controller},
-                "trace_id": trace.span.get_span_context().trace_id.to_bytes(16, "big").hex(),
-            })
-
-    def _rounds(self, trace, ids: list[int], kwargs: dict, emit, cancelled: threading.Event) -> "_Done":
-        """Stream the request's rounds as 'delta' events, counting them into the unit's metrics."""
-        mode, done = kwargs["mode"], _Done()
-        start, ttft = time.perf_counter(), 0.0
-        self.metrics.set_active(mode, +1)
-        stream = self.engine.stream(ids, **kwargs)
-        # One step serves many requests: each round's draft / verify spans come from its timings.
-        traced = trace.rounds(stream, phases=True)
-        try:
-            for event in traced:
-                if not done.rounds:
-                    ttft = time.perf_counter() - start
-                done.rounds.append(event.stats)
-                self.metrics.event(event, mode)
-                self.totals.observe(event.stats)
-                done.produced += len(event.token_ids)
-                done.finish = event.finish_reason
-                done.controller = event.policy_summary or done.controller
-                emit({"type": "delta", "text": event.text, "token_ids": event.token_ids})
-                if cancelled.is_set():
-                    done.finish = "cancelled"
-                    break
-        finally:
-            traced.close()
-            stream.close()
-            self.metrics.set_active(mode, -1)
-            self.metrics.request(mode, prompt_tokens=len(ids), tokens=done.produced, finish=done.finish or "error",
-                                 ttft_s=ttft, total_s=time.perf_counter() - start, controller=done.controller)
-        return done
-
-    async def generate(self, req: UnitRequest):
-        """Stream the request's events (dicts) to the ingress."""
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        cancelled = threading.Event()
-        done = object()
-
-        def work():
+            yield Start(prompt_tokens, greq.mode, telemetry.inject(trace.span).get("traceparent"))
+            rounds, produced, finish, controller = [], 0, None, {}
+            start, ttft = time.perf_counter(), 0.0
+            self.metrics.set_active(greq.mode, +1)
             try:
-                self._run(req, lambda item: loop.call_soon_threadsafe(queue.put_nowait, item), cancelled)
-            except Exception as exc:  # never let a request take the replica down
-                log.exception("request failed")
-                loop.call_soon_threadsafe(
-                    queue.put_nowait,
-                    {"type": "error", "status": 500, "message": f"internal error: {type(exc).__name__}"},
-                )
+                async for event in self.engine.astream(greq):
+                    if not rounds:
+                        ttft = time.perf_counter() - start
+                    rounds.append(event.stats)
+                    trace.record(event.stats)
+                    self.metrics.event(event, greq.mode)
+                    self.totals.observe(event.stats)
+                    produced += len(event.token_ids)
+                    finish = event.finish_reason
+                    controller = event.policy_summary or controller
+                    yield Delta(event.text, event.token_ids)
+            except (asyncio.CancelledError, GeneratorExit):  # the client went away: its handle is cancelled
+                finish = "cancelled"
+                raise
             finally:
-                loop.call_soon_threadsafe(queue.put_nowait, done)
-
-        loop.run_in_executor(self._pool, work)
-        try:
-            while (item := await queue.get()) is not done:
-                yield item
-        finally:
-            cancelled.set()  # the client went away, or we finished: stop the loop thread
+                self.metrics.set_active(greq.mode, -1)
+                self.metrics.request(greq.mode, prompt_tokens=prompt_tokens, tokens=produced,
+                                     finish=finish or "error", ttft_s=ttft, total_s=time.perf_counter() - start,
+                                     controller=controller)
+            summary = SpeculationSummary.from_rounds(greq.mode, rounds)
+            trace.finish(mode=summary.mode, finish_reason=finish, input_tokens=prompt_tokens, output_tokens=produced)
+            yield End(finish, prompt_tokens, produced, {**summary.to_dict(), **controller},
+                      trace.span.get_span_context().trace_id.to_bytes(16, "big").hex())
 
     def check_health(self) -> None:
         """Every worker answers (in process: the step loop is alive). A busy target answers

@@ -5,8 +5,8 @@ token ids and the pool layout, and sends them with every call; a worker reconcil
 with them (``specdec.batch.runner``), so a restarted worker simply re-prefills. A step costs
 ONE call per worker for the whole batch: the DraftWorker drafts for every ``draft`` row, and
 its result travels to the TargetWorker as an object reference, worker to worker, never
-through the router; the TargetWorker drafts the ``early_exit`` rows, verifies every row, and
-reports its own compute times.
+through the router; the TargetWorker drafts the rows of the drafters that live on the target
+(early exit, EAGLE), verifies every row, and reports its own compute times.
 """
 
 from __future__ import annotations
@@ -20,12 +20,11 @@ import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 from specdec import telemetry
-from specdec.batch.drafters import DraftResult, DraftRow
-from specdec.batch.runner import BatchRow
-from specdec.batch.target import StepResult, TargetRow
 from specdec.config import ModelConfig, SpeculationConfig
-from specdec.decoding import DraftUnavailable
+from specdec.drafters.base import Drafted, DraftRow
 from specdec.engine import load_draft_step, load_target_step, target_tokenizer
+from specdec.engine.plan import DraftUnavailable, StepPlan
+from specdec.engine.target import StepResult
 
 log = logging.getLogger("ray.serve")
 
@@ -57,17 +56,16 @@ class TargetWorker:
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
-    def step(self, rows: list[TargetRow], chunks: list[BatchRow], external: DraftResult | None,
-             release: list[str]) -> StepResult:
-        return self.target.run(rows, chunks, external, release)
+    def step(self, plan: StepPlan, external: Drafted | None, release: list[str]) -> StepResult:
+        return self.target.run(plan, external, release)
 
 
 @ray.remote
 class DraftWorker:
-    def __init__(self, models: ModelConfig, capacity_tokens: int, trace_sample_ratio: float = 1.0,
-                 torch_threads: int | None = None):
+    def __init__(self, models: ModelConfig, speculation: SpeculationConfig, capacity_tokens: int,
+                 trace_sample_ratio: float = 1.0, torch_threads: int | None = None):
         _setup_process("specdec-draft", trace_sample_ratio, torch_threads)
-        self.draft = load_draft_step(models, capacity_tokens)
+        self.draft = load_draft_step(models, speculation, capacity_tokens)
 
     def ready(self) -> bool:
         return True
@@ -78,7 +76,7 @@ class DraftWorker:
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
-    def propose(self, rows: list[DraftRow], release: list[str]) -> DraftResult:
+    def propose(self, rows: list[DraftRow], release: list[str]) -> Drafted:
         return self.draft.propose(rows, release)
 
 
@@ -97,14 +95,14 @@ class RemoteTarget:
         self.restarts = restarts
         self.resumed = 0  # steps sent again after the worker died
 
-    def run(self, rows, chunks, external, release) -> StepResult:
+    def run(self, plan: StepPlan, external, release) -> StepResult:
         # ``external`` may be the DraftWorker's pending result: its ObjectRef goes to the
         # target worker directly, once it is known to arrive in time.
         if isinstance(external, PendingDraft):
             external = external.ref_in_time()
         for attempt in range(self.restarts + 1):
             try:
-                return ray.get(self.actor.step.remote(rows, chunks, external, list(release)), timeout=self.timeout_s)
+                return ray.get(self.actor.step.remote(plan, external, list(release)), timeout=self.timeout_s)
             except RayActorError:
                 if isinstance(external, ray.ObjectRef) and _failed(external):
                     raise DraftUnavailable("the draft worker did not deliver its proposals") from None

@@ -3,7 +3,7 @@
 Builds random-weight Llama-family models of real shapes (nothing is downloaded), puts each on
 the batched runner's token pool, and times one flat step against the tokens in the batch:
 ``B`` rows of ``k + 1`` tokens each at a fixed context. Prints a table, the linear fit
-``T = a + b * tokens`` the step loop uses (``specdec.batch.schedule.StepCosts``), and the draft
+``T = a + b * tokens`` the step loop uses (``specdec.engine.schedule.StepCosts``), and the draft
 step against rows. Then, with ``--tests``, runs the library's batched-engine tests.
 
     python scripts/gpu_costs.py                      # 7B-class target, 0.5B-class draft, CUDA

@@ -18,14 +18,13 @@ already worse (3.95 / 1.72 = 2.30), so k = 5.
 
 from __future__ import annotations
 
-import threading
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from specdec import telemetry
 from specdec.config import Mode
 from specdec.stats import RoundStats
 
@@ -75,96 +74,32 @@ class PolicyConfig(BaseModel):
     prior_acceptance: float = Field(0.6, ge=0, le=1, description="a before any round is seen.")
 
 
-class CostModel:
-    """Measured costs of one unit, shared by its requests, relative to a plain target step.
+class Costs(Protocol):
+    """What the policy reads of the unit's measured costs (``specdec.engine.schedule.StepCosts``),
+    relative to a plain step of one row: ``c(mode)`` a draft step, ``v(k)`` a (k+1)-token pass."""
 
-    ``step_s``: a plain step's wall time; ``verify_s[k]``: a (k+1)-token pass; per mode,
-    ``draft_s_per_token``. Priors stand in until measurements arrive.
-    """
+    step_s: float | None
 
-    def __init__(
-        self,
-        prior_c: dict[str, float] | None = None,
-        prior_verify_slope: float = 0.03,
-        *,
-        frozen: bool = False,
-    ):
-        self.prior_c = {"draft": 0.15, "ngram": 0.01, "early_exit": 0.3, "eagle": 0.1, **(prior_c or {})}
-        self.prior_verify_slope = prior_verify_slope
-        self.step_s: float | None = None
-        self.verify_s: dict[int, float] = {}
-        self.draft_s_per_token: dict[str, float] = {}
-        self.frozen = frozen  # priors only: decisions that no timing can change (seeded requests)
-        self._lock = threading.Lock()
+    def c(self, mode: str) -> float: ...
 
-    @staticmethod
-    def _ewma(old: float | None, new: float, w: float = 0.2) -> float:
-        return new if old is None else (1 - w) * old + w * new
-
-    def observe(self, r: RoundStats) -> None:
-        if r.mode == "prefill" or self.frozen:
-            return
-        with self._lock:
-            self.verify_s[r.k] = self._ewma(self.verify_s.get(r.k), r.verify_s)
-            if r.k == 0:
-                self.step_s = self._ewma(self.step_s, r.verify_s)
-            elif r.drafted:
-                per_token = r.draft_s / r.drafted
-                self.draft_s_per_token[r.mode] = self._ewma(self.draft_s_per_token.get(r.mode), per_token)
-
-    def c(self, mode: str) -> float:
-        d = self.draft_s_per_token.get(mode)
-        if d is None or not self.step_s:
-            return self.prior_c.get(mode, 0.2)
-        return d / self.step_s
-
-    def v(self, k: int) -> float:
-        """v(k): measured where known, else the prior slope."""
-        if k == 0:
-            return 1.0
-        if self.step_s and k in self.verify_s:
-            return max(1.0, self.verify_s[k] / self.step_s)
-        slope = self.prior_verify_slope
-        if self.step_s and self.verify_s:  # fit the slope through the measured points
-            slopes = [(t / self.step_s - 1.0) / kk for kk, t in self.verify_s.items() if kk > 0]
-            if slopes:
-                slope = max(0.0, sum(slopes) / len(slopes))
-        return 1.0 + slope * k
-
-
-class ModeSwitch:
-    """A Drafter that delegates to whichever of its drafters the policy made active."""
-
-    def __init__(self, drafters: dict):
-        self.drafters = drafters
-        self.active = next(iter(drafters))
-
-    @property
-    def name(self) -> str:
-        return self.active
-
-    def propose(self, seq_id, context, k, params, seed):
-        return self.drafters[self.active].propose(seq_id, context, k, params, seed)
-
-    def release(self, seq_id):
-        for d in self.drafters.values():
-            d.release(seq_id)
+    def v(self, k: int) -> float: ...
 
 
 @dataclass
 class SpeculationPolicy:
-    """Per-request controller; ``decode(..., k=policy)`` calls it before each round.
+    """Per-request controller: ``decide(rounds)`` before each round returns ``(mode, k)``.
 
-    It reads the newest round from ``rounds``, updates the acceptance estimate of that
-    round's mode and the unit's costs, then returns the next round's k (0 = plain) after
-    setting ``switch.active`` to the mode to draft with.
+    It reads the rounds it has not seen, updates the acceptance estimate of each round's mode,
+    then picks the drafter and k with the best expected speedup (k = 0: plain decoding).
+    ``observe(rounds)`` only keeps the estimates current (a round the loop decided itself).
     """
 
-    switch: ModeSwitch
-    costs: CostModel
+    modes: list[str]  # the drafters it may choose among
+    costs: Costs
     config: Callable[[], PolicyConfig]  # read every round: operator flags apply live
     k_request: int | None = None  # a request's explicit k (capped at k_max)
     adaptive: bool = True  # False: the request asked for a fixed mode and k
+    active: str = ""  # the drafter chosen last
     acceptance: dict[str, float] = field(default_factory=dict)
     plain: bool = False  # in fallback
     plain_tokens: int = 0
@@ -174,9 +109,12 @@ class SpeculationPolicy:
     _seen: int = 0
     _trials: dict[str, tuple[float, float]] = field(default_factory=dict)
 
-    def _update(self, rounds: list[RoundStats], cfg: PolicyConfig) -> None:
+    def __post_init__(self) -> None:
+        self.active = self.active or self.modes[0]
+
+    def observe(self, rounds: list[RoundStats]) -> None:
+        cfg = self.config()
         for r in rounds[self._seen :]:
-            self.costs.observe(r)
             if r.drafted:
                 # Per-token acceptance a = accepted / (accepted + rejections), each an EWMA over
                 # rounds: a round with many trials weighs more than one that failed at once.
@@ -194,7 +132,7 @@ class SpeculationPolicy:
         """The best (mode, k, expected speedup) over the available drafters."""
         k_max = min(cfg.k_max, self.k_request or cfg.k_max) if not self.adaptive else cfg.k_max
         options = []
-        for mode in self.switch.drafters:
+        for mode in self.modes:
             a = self.acceptance.get(mode, cfg.prior_acceptance)
             c = self.costs.c(mode)
             v = self.costs.v
@@ -206,10 +144,13 @@ class SpeculationPolicy:
             options.append((mode, k, s))
         return max(options, key=lambda o: o[2])
 
-    def __call__(self, rounds: list[RoundStats]) -> int:
+    def decide(self, rounds: list[RoundStats]) -> tuple[str, int]:
+        """The next round's drafter and k (0: a plain round)."""
+        self.observe(rounds)
         cfg = self.config()
-        self._update(rounds, cfg)
-        index = len(rounds)
+        return self.active, self._k(len(rounds), cfg)
+
+    def _k(self, index: int, cfg: PolicyConfig) -> int:
         if cfg.kill_switch:
             return 0
         if self.costs.step_s is None and index == 1 and self.adaptive:
@@ -231,16 +172,15 @@ class SpeculationPolicy:
             self.probing = True
             self._note(index, f"probe:{mode}")
             k = min(k, 2)  # a cheap probe
-        if mode != self.switch.active:
+        if mode != self.active:
             self._note(index, f"switch:{mode}")
-            self.switch.active = mode
+            self.active = mode
         self.k_used[k] += 1
         return k
 
     def _note(self, index: int, what: str) -> None:
-        """Record a policy decision, and put it on the trace of the round being decided."""
+        """Record a decision; the loop puts it on the round it was taken for (``RoundStats.events``)."""
         self.events.append((index, what))
-        telemetry.add_policy_event(what)
 
     def summary(self) -> dict:
         kinds = Counter(e.split(":")[0] for _, e in self.events)

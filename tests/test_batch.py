@@ -19,7 +19,7 @@ import torch
 import specdec.batch.verify as batch_verify
 from specdec.batch.cache import RangeAllocator
 from specdec.batch.runner import BatchRow, BatchRunner
-from specdec.batch.schedule import Candidate, StepCosts, allocate
+from specdec.engine.schedule import Candidate, StepCosts, allocate
 from specdec.batch.verify import VerifyRow, batched_probs, verify_batch
 from specdec.config import ModelConfig, SpeculationConfig
 from specdec.engine import Engine

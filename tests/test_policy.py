@@ -8,9 +8,8 @@ import torch
 from specdec.config import ModelConfig, SpeculationConfig
 from specdec.stats import RoundStats
 from specdec.engine import Engine
+from specdec.engine.schedule import StepCosts
 from specdec.policy import (
-    CostModel,
-    ModeSwitch,
     PolicyConfig,
     SpeculationPolicy,
     best_k,
@@ -50,9 +49,9 @@ def rnd(index, mode, k, accepted, draft_s=0.001, verify_s=0.01):
 
 
 def make_policy(cfg=PolicyConfig(), **kw):
-    costs = CostModel()
-    costs.observe(RoundStats(1, "off", 0, 0, 0, 1, 0.0, 0.01))  # a plain step: 10 ms
-    return SpeculationPolicy(switch=ModeSwitch({"draft": None}), costs=costs, config=lambda: cfg, **kw)
+    costs = StepCosts()
+    costs.observe_verify(1, 0.01)  # a plain step: 10 ms; drafting and verifying k cost the priors
+    return SpeculationPolicy(modes=["draft"], costs=costs, config=lambda: cfg, **kw)
 
 
 def drive(policy, accept, n_rounds, seed=0):
@@ -61,7 +60,8 @@ def drive(policy, accept, n_rounds, seed=0):
     rounds = [RoundStats(0, "prefill", 0, 0, 0, 1, 0.0, 0.05)]
     ks = []
     for i in range(1, n_rounds):
-        k = policy(rounds)
+        mode, k = policy.decide(rounds)
+        assert mode == "draft"
         ks.append(k)
         if k == 0:
             rounds.append(RoundStats(i, "off", 0, 0, 0, 1, 0.0, 0.01))

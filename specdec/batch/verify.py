@@ -18,9 +18,14 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.decoding import _pad_vocab
 from specdec.sampling import SamplingParams, make_generator
 from specdec.verify import Verdict, acceptance_probs, residual_distribution
+
+
+def _pad_vocab(probs: torch.Tensor, width: int) -> torch.Tensor:
+    """Zero-pad [..., v] to [..., width]: ids a model cannot emit have probability 0."""
+    extra = width - probs.shape[-1]
+    return torch.nn.functional.pad(probs, (0, extra)) if extra > 0 else probs
 
 
 @dataclass(frozen=True)

@@ -1,32 +1,38 @@
-"""The one drafter interface every speculation mode implements."""
+"""The one drafter interface: propose for many rows at once, and say what it cost.
+
+A row drafts ``k_i`` tokens; a drafter with a model runs ``max_i k_i`` batched draft steps,
+a row leaving once it has its ``k_i`` (or once the drafter is unsure of it). Each row samples
+with its own generator seeded from the round's seed, so what a row drafts never depends on
+what it is batched with. A drafter without a distribution (prompt lookup) and greedy rows
+return ``probs=None``: the verifier treats those drafts as point masses, which keeps sampling
+exact. The verifier never asks which drafter it has.
+"""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from specdec.sampling import SamplingParams
+from specdec.batch.verify import batched_probs
+from specdec.sampling import SamplingParams, make_generator
 
 
 @dataclass(frozen=True)
 class Proposal:
-    """Draft tokens for one round and the distribution each was drawn from.
+    """Draft tokens for one row and the distribution each was drawn from.
 
     tokens: [k'] ids, k' <= k; "no proposal" is an empty list, never None.
-    probs:  [k', vocab] the processed q rows, or None for a drafter without a distribution
-            (n-gram) and for greedy drafts, both of which the verifier treats as point masses.
+    probs:  [k', vocab] the processed q rows, or None (point masses: prompt lookup, greedy).
     """
 
     tokens: list[int]
     probs: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        assert self.probs is None or self.probs.shape[0] == len(self.tokens), (
-            self.probs.shape,
-            len(self.tokens),
-        )
+        assert self.probs is None or self.probs.shape[0] == len(self.tokens), (self.probs.shape, len(self.tokens))
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -35,14 +41,82 @@ class Proposal:
 EMPTY_PROPOSAL = Proposal(tokens=[])
 
 
-class Drafter(Protocol):
-    """Proposes up to ``k`` tokens to continue ``context`` (the sequence's full ids)."""
+@dataclass(frozen=True)
+class DraftRow:
+    """One row to draft for: ``context`` is the sequence's full ids (its last token not yet
+    fed to the target), ``start`` / ``capacity`` its pool range (a drafter with a cache lays
+    it out like the target's)."""
+
+    key: str
+    context: list[int]
+    k: int
+    params: SamplingParams
+    seed: int
+    start: int = 0
+    capacity: int = 0
+
+
+@dataclass
+class Drafted:
+    """A drafter's proposals for a step (one per row, in order), and what drafting cost:
+    ``seconds`` of compute where it ran, over ``steps`` batched draft passes."""
+
+    proposals: list[Proposal]
+    seconds: float = 0.0
+    steps: int = 0
+
+
+class BatchDrafter(Protocol):
+    """Proposes up to ``row.k`` tokens for every row of one step."""
 
     name: str
 
-    def propose(
-        self, seq_id: str, context: list[int], k: int, params: SamplingParams, seed: int
-    ) -> Proposal: ...
+    def propose(self, rows: list[DraftRow]) -> Drafted: ...
 
-    def release(self, seq_id: str) -> None:
+    def release(self, key: str) -> None:
         """The sequence finished: drop any state kept for it."""
+
+
+class Chains:
+    """The draft chains of one step being built: each row's tokens, q rows and generator."""
+
+    def __init__(self, rows: list[DraftRow]):
+        self.rows = rows
+        self.tokens: list[list[int]] = [[] for _ in rows]
+        self.qs: list[list[torch.Tensor]] = [[] for _ in rows]
+        self.gens = [None if r.params.greedy else make_generator(r.seed) for r in rows]
+        self.stopped: set[int] = set()
+        self.steps = 0
+        self.began = time.perf_counter()
+
+    def live(self) -> list[int]:
+        """The rows still drafting."""
+        return [i for i, r in enumerate(self.rows) if len(self.tokens[i]) < r.k and i not in self.stopped]
+
+    def extend(self, logits: torch.Tensor, live: list[int], threshold: float = 0.0) -> None:
+        """Each live row's next draft token from its logits [len(live), V]: greedy or drawn from
+        q with the row's generator. A row whose token has probability below ``threshold`` under
+        q stops (the token is still proposed)."""
+        rows = self.rows
+        sampled = [j for j, i in enumerate(live) if not rows[i].params.greedy]
+        probs = batched_probs(logits[sampled], [rows[live[j]].params for j in sampled]) if sampled else None
+        greedy = logits.argmax(-1).tolist()
+        at = 0
+        for j, i in enumerate(live):
+            if rows[i].params.greedy:
+                token = greedy[j]
+                confidence = float(torch.softmax(logits[j], -1)[token]) if threshold > 0 else 1.0
+            else:
+                q = probs[at]
+                at += 1
+                token = int(torch.multinomial(q, 1, generator=self.gens[i]))
+                self.qs[i].append(q)
+                confidence = float(q[token])
+            self.tokens[i].append(token)
+            if confidence < threshold:
+                self.stopped.add(i)  # unsure: let the target speak before drafting further
+        self.steps += 1
+
+    def drafted(self) -> Drafted:
+        proposals = [Proposal(t, torch.stack(q) if q else None) for t, q in zip(self.tokens, self.qs)]
+        return Drafted(proposals, time.perf_counter() - self.began, self.steps)

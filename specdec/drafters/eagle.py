@@ -31,12 +31,9 @@ import torch
 
 from specdec.batch import attention
 from specdec.batch.cache import FlatBatchCache, RowPlan, kv_shape
-from specdec.batch.drafters import DraftRow, choose_tokens, proposals_of
-from specdec.batch.runner import BatchRow, BatchRunner
-from specdec.drafters.base import Proposal
+from specdec.batch.runner import BatchRow, BatchRunner, common_prefix_len
+from specdec.drafters.base import Chains, Drafted, DraftRow
 from specdec.models.eagle import EagleHead
-from specdec.batch.runner import common_prefix_len
-from specdec.sampling import make_generator
 
 
 @dataclass
@@ -49,7 +46,7 @@ class _Held:
     tokens: list[int] = field(default_factory=list)
 
 
-class EagleBatchDrafter:
+class EagleDrafter:
     """An EAGLE head drafting on the target's ``BatchRunner`` (shares its pool layout)."""
 
     name = "eagle"
@@ -61,10 +58,9 @@ class EagleBatchDrafter:
         self.dtype = head.fc.weight.dtype
         self.cache = FlatBatchCache(*kv_shape(head.config), runner.capacity, dtype=self.dtype, device=runner.device)
         self._held: dict[str, _Held] = {}
-        self.last_steps = 0
 
     @torch.inference_mode()
-    def propose_batch(self, rows: list[DraftRow]) -> list[Proposal]:
+    def propose(self, rows: list[DraftRow]) -> Drafted:
         runner = self.runner
         todo = [i for i, r in enumerate(rows) if r.k and len(r.context) >= 2]
         # The target must hold each row's context but its last token (it does after the
@@ -73,23 +69,18 @@ class EagleBatchDrafter:
                   if runner.cached_ids(rows[i].key) != rows[i].context[:-1]]
         if behind:
             runner.forward(behind)
-        gens = [None if r.params.greedy else make_generator(r.seed) for r in rows]
-        out: list[list[int]] = [[] for _ in rows]
-        qs: list[list[torch.Tensor]] = [[] for _ in rows]
-        steps = 0
+        chains = Chains(rows)
         with runner.lock:
             live = todo
             features = self._catch_up([rows[i] for i in live]) if live else None  # [len(live), d]
             while live:
-                choose_tokens(self.head.logits(features), rows, live, gens, out, qs)  # 1-2. draft
-                steps += 1
-                going = [j for j, i in enumerate(live) if len(out[i]) < rows[i].k]
+                chains.extend(self.head.logits(features), live)  # 1-2. draft
+                going = [j for j, i in enumerate(live) if len(chains.tokens[i]) < rows[i].k]
                 if not going:
                     break
                 live = [live[j] for j in going]
-                features = self._chain([rows[i] for i in live], [out[i] for i in live], features[going])
-        self.last_steps = steps
-        return proposals_of(out, qs)
+                features = self._chain([rows[i] for i in live], [chains.tokens[i] for i in live], features[going])
+        return chains.drafted()
 
     def _held_for(self, row: DraftRow) -> _Held:
         held = self._held.get(row.key)

@@ -2,43 +2,37 @@
 the full target verifies, exactly as for any other drafter.
 
 The drafter holds no model and no cache of its own. It runs layers ``0 .. L-1`` of the target
-on the target's own per-sequence ``DynamicCache`` (the one in the target's ``ModelRunner``),
-then an exit head: the target's final norm and LM head (a raw exit) or a trained adapter
+on the target's own token pool (the target's ``BatchRunner``), then an exit head: the
+target's final norm and LM head (a raw exit) or a trained adapter
 (``specdec.models.exit_adapter``). Only the target's layer stack is borrowed; its weights are
 never written.
 
-Cache reuse, and why the verify pass stays exact. Between calls the runner's invariant holds:
-every layer of a sequence's cache holds exactly the tokens ``seq.ids``. A round:
+Why the verify pass stays exact. After a verify the target's pool holds every row's context
+but its last token, in every layer. A round:
 
-1. **Align.** The target's cache holds ``context[:-1]`` after the last verify (the round's
-   last token is not fed). If it holds more, crop it (the verify pass would do the same); if
-   less, feed the missing prefix through the FULL model (work the verify pass would otherwise
-   do), so that all layers hold ``base = len(context) - 1`` tokens.
+1. **Align.** A row the target holds less of (its first round, a restarted worker) is caught
+   up through the FULL model first: work the verify pass would otherwise do.
 2. **Draft.** Feed ``context[-1]``, then each drafted token, through layers ``0 .. L-1`` only,
-   on that same cache: the shallow layers see the same keys and values a separate shallow
-   cache would hold (the target's own, computed by the same layers), so the drafts are those
-   of a separate early-exit model - and no prefix is ever recomputed for drafting.
-3. **Restore.** Crop layers ``0 .. L-1`` back to ``base`` (in ``finally``: also on error).
-   Cropping only slices the tensors, so the cache is bit for bit what it was after step 1.
-4. **Verify** (``decoding.verify_round``, unchanged): the full model scores
-   ``context[-1] + drafts`` on that cache. It recomputes the shallow layers at the draft
-   positions: at most ``k`` rows inside a ``(k + 1)``-token pass whose cost barely depends on
-   ``k`` (v(9) = 1.16 on the demo target), which keeps the verify path, the rollback and the
-   runner's one-invariant cache untouched. Reusing the shallow rows in the verify pass would
-   save ``L / N`` of a nearly flat cost at the price of a second code path; not done.
+   at the row's next positions: the shallow layers see the keys and values a separate
+   shallow model would hold (the target's own, computed by the same layers), so the drafts
+   are those of a separate early-exit model, and no prefix is ever recomputed for drafting.
+   The runner's record of what each row holds does not move.
+3. **Verify.** The full model scores ``context[-1] + drafts`` at those same positions and
+   rewrites every layer there, so the shallow writes of step 2 are overwritten before anything
+   reads them as the target's. Reusing them would save ``L / N`` of a nearly flat cost at the
+   price of a second code path; not done.
 
 Worked example (N = 4 layers, L = 2, context = [a, b, c], k = 2)::
 
     after the last verify    layers 0-3: [a, b]
     draft: feed c            layers 0-1: [a, b, c]        -> d1
-           feed d1           layers 0-1: [a, b, c, d1]    -> d2
-    restore                  layers 0-1: [a, b]           (crop 2; layers 2-3 never changed)
+           feed d1           layers 0-1: [a, b, c, d1]    -> d2     (the runner still says [a, b])
     verify [c, d1, d2]       layers 0-3: [a, b, c, d1, d2] -> then rolled back to the accepted
 
-Confidence stop (optional): a round stops drafting after a token whose probability under the
+Confidence stop (optional): a row stops drafting after a token whose probability under the
 exit's own distribution is below ``threshold``. The token is still proposed (it cost nothing
 more to verify); only the further draft steps are saved. The stop depends on the draft alone,
-so sampling stays exact. Works for Llama-style models and GPT-2 (``shallow_stack``).
+so sampling stays exact. Works for Llama-style models and GPT-2 (``ShallowStack``).
 """
 
 from __future__ import annotations
@@ -46,10 +40,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specdec.drafters.base import EMPTY_PROPOSAL, Proposal
+from specdec.batch.cache import RowPlan
+from specdec.batch.runner import BatchRow, BatchRunner
+from specdec.drafters.base import Chains, Drafted, DraftRow
 from specdec.models.exit_adapter import load_exit_adapter
-from specdec.runner import ModelRunner
-from specdec.sampling import SamplingParams, logits_to_probs, make_generator
 
 
 class ShallowStack:
@@ -90,8 +84,6 @@ class ShallowStack:
         """One token per row through the shallow layers, on a ``BatchRunner``'s pool: row i
         feeds ``feeds[i]`` at ``positions[i]`` (what the runner holds for it stays as it is).
         Returns the hidden states [rows, d]."""
-        from specdec.batch.cache import RowPlan
-
         plans = [RowPlan(runner.start_of(key), pos, 1) for key, pos in zip(keys, positions)]
         input_ids = torch.tensor([feeds], dtype=torch.long, device=runner.device)
         position_ids, mask = runner.cache.plan(plans)
@@ -131,89 +123,44 @@ class RawExit(nn.Module):
         return self.head(self.norm(hidden)).float()
 
 
-def crop_first_layers(cache, num_layers: int, length: int) -> None:
-    """Crop layers ``0 .. num_layers-1`` of ``cache`` to ``length`` tokens (deeper ones untouched)."""
-    for layer in cache.layers[:num_layers]:
-        extra = layer.get_seq_length() - length
-        if extra > 0:
-            layer.crop(-extra)  # transformers 5.24: a negative argument removes that many tokens
-
-
 class EarlyExitDrafter:
-    """Drafts with the target's first ``exit_layer`` layers on the target's own KV cache.
+    """Self-speculation on the target's pool: its first layers plus an exit head.
 
-    ``runner`` is the TARGET's runner (shared, not copied); ``head`` maps hidden states
-    [n, d] to full-vocabulary float32 logits [n, V] (``RawExit`` when None); a reduced-
-    vocabulary head returns -inf outside its vocabulary, so ``q`` stays exact.
+    It writes only layers ``0..L-1`` at positions the verify pass rewrites for every layer
+    right after, and never moves the runner's record of what each row holds, so no restore
+    is needed. ``head`` maps hidden states [n, d] to full-vocabulary float32 logits [n, V]
+    (a reduced-vocabulary head returns -inf outside its vocabulary, so ``q`` stays exact).
     """
 
     name = "early_exit"
 
-    def __init__(self, runner: ModelRunner, exit_layer: int, head: nn.Module | None = None,
-                 *, threshold: float = 0.0):
+    def __init__(self, runner: BatchRunner, stack: ShallowStack, head: nn.Module, threshold: float = 0.0):
         if not 0.0 <= threshold <= 1.0:
             raise ValueError(f"confidence threshold must be in [0, 1], got {threshold}")
-        self.runner = runner
-        self.stack = ShallowStack(runner.model, exit_layer)
-        self.head = (head if head is not None else RawExit(self.stack)).eval()
-        head_layer = getattr(self.head, "exit_layer", exit_layer)
-        if head_layer != exit_layer:
-            raise ValueError(f"the exit head was trained for layer {head_layer}, not {exit_layer}")
-        self.head_dtype = next(self.head.parameters()).dtype
+        self.runner, self.stack, self.head = runner, stack, head.eval()
+        self.head_dtype = next(head.parameters()).dtype
         self.threshold = threshold
 
-    @property
-    def exit_layer(self) -> int:
-        return self.stack.num_layers
+    @torch.inference_mode()
+    def propose(self, rows: list[DraftRow]) -> Drafted:
+        runner = self.runner
+        # 1. align: the target's cache must hold each row's context but its last token (it does
+        # after the previous verify; after a restart the full model catches up first).
+        behind = [BatchRow(r.key, r.context[:-1], 0, r.start, r.capacity) for r in rows
+                  if r.k and runner.cached_ids(r.key) != r.context[:-1]]
+        if behind:
+            runner.forward(behind)
+        chains = Chains(rows)
+        with runner.lock:  # 2. draft: one token per live row per pass through the shallow layers
+            while live := chains.live():
+                feeds = [rows[i].context[-1] if not chains.tokens[i] else chains.tokens[i][-1] for i in live]
+                base = [len(rows[i].context) - 1 + len(chains.tokens[i]) for i in live]
+                hidden = self.stack.hidden_rows(runner, [rows[i].key for i in live], feeds, base)
+                logits = self.head(hidden.to(self.head_dtype)).float().cpu()  # [len(live), V]
+                chains.extend(logits, live, self.threshold)
+        return chains.drafted()
 
-    def propose(
-        self, seq_id: str, context: list[int], k: int, params: SamplingParams, seed: int
-    ) -> Proposal:
-        if k <= 0:
-            return EMPTY_PROPOSAL
-        # The runner's lock: the target must not run while its cache's layers disagree.
-        with self.runner.lock, torch.inference_mode():
-            # 1. align: every layer of the target's cache holds exactly context[:-1]; when
-            # behind (first round, evicted) this feeds what the verify pass would feed anyway.
-            seq = self.runner.hold(seq_id, context[:-1])
-            base = len(seq.ids)
-            self._check_croppable(seq.cache.layers[: self.exit_layer])
-            try:
-                return self._draft(seq.cache, context[-1], k, params, seed)
-            finally:
-                crop_first_layers(seq.cache, self.exit_layer, base)  # 3. restore: bit for bit as before
-
-    @staticmethod
-    def _check_croppable(layers: list) -> None:
-        for i, layer in enumerate(layers):
-            if getattr(layer, "is_sliding", False) or not getattr(layer, "is_croppable", True):
-                raise ValueError(f"early exit needs full-attention, croppable cache layers (layer {i})")
-
-    def _draft(self, cache, last: int, k: int, params: SamplingParams, seed: int) -> Proposal:
-        """2. Feed the last context token, then each draft, through the shallow layers."""
-        device = self.runner.device
-        generator = None if params.greedy else make_generator(seed)
-        tokens: list[int] = []
-        rows: list[torch.Tensor] = []
-        feed = last
-        for _ in range(k):
-            h = self.stack.hidden(torch.tensor([[feed]], device=device), cache)[0]  # [1, d]
-            logits = self.head(h.to(self.head_dtype))[0].float().cpu()  # [V]
-            if params.greedy:
-                token = int(logits.argmax())
-                confidence = float(torch.softmax(logits, -1)[token]) if self.threshold else 1.0
-            else:
-                q = logits_to_probs(logits, params)
-                token = int(torch.multinomial(q, 1, generator=generator))
-                rows.append(q)
-                confidence = float(q[token])
-            tokens.append(token)
-            if confidence < self.threshold:
-                break  # unsure: let the target speak before drafting further
-            feed = token
-        return Proposal(tokens=tokens, probs=torch.stack(rows) if rows else None)
-
-    def release(self, seq_id: str) -> None:
+    def release(self, key: str) -> None:
         pass  # the cache is the target's: the target releases it
 
 
@@ -234,12 +181,3 @@ def exit_parts(
         raise ValueError("early_exit needs an exit layer or an exit adapter")
     stack = ShallowStack(model, exit_layer)
     return stack, (head if head is not None else RawExit(stack)).eval()
-
-
-def load_early_exit(
-    runner: ModelRunner, exit_layer: int | None = None, adapter: str | None = None,
-    *, threshold: float = 0.0, dtype: torch.dtype = torch.float32,
-) -> EarlyExitDrafter:
-    """An ``early_exit`` drafter on the target's runner: a trained adapter, or a raw exit."""
-    stack, head = exit_parts(runner.model, exit_layer, adapter, dtype=dtype)
-    return EarlyExitDrafter(runner, stack.num_layers, head, threshold=threshold)

@@ -13,10 +13,11 @@ Worked example (min_ngram=1, max_ngram=2, k=3)::
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
-from specdec.drafters.base import EMPTY_PROPOSAL, Proposal
-from specdec.sampling import SamplingParams
+from specdec.drafters.base import EMPTY_PROPOSAL, Drafted, DraftRow, Proposal
 
 
 def prompt_lookup(context: list[int], k: int, min_ngram: int = 1, max_ngram: int = 4) -> list[int]:
@@ -35,20 +36,20 @@ def prompt_lookup(context: list[int], k: int, min_ngram: int = 1, max_ngram: int
 
 
 class NgramDrafter:
+    """Prompt lookup for every row (no model, no state): runs in the step loop itself."""
+
     name = "ngram"
 
     def __init__(self, min_ngram: int = 1, max_ngram: int = 4):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
-        self.min_ngram = min_ngram
-        self.max_ngram = max_ngram
+        self.min_ngram, self.max_ngram = min_ngram, max_ngram
 
-    def propose(
-        self, seq_id: str, context: list[int], k: int, params: SamplingParams, seed: int
-    ) -> Proposal:
-        if k <= 0:
-            return EMPTY_PROPOSAL
-        return Proposal(tokens=prompt_lookup(context, k, self.min_ngram, self.max_ngram))
+    def propose(self, rows: list[DraftRow]) -> Drafted:
+        t0 = time.perf_counter()
+        proposals = [Proposal(prompt_lookup(r.context, r.k, self.min_ngram, self.max_ngram)) if r.k else EMPTY_PROPOSAL
+                     for r in rows]
+        return Drafted(proposals, time.perf_counter() - t0, 1)
 
-    def release(self, seq_id: str) -> None:
+    def release(self, key: str) -> None:
         pass

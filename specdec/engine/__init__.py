@@ -1,35 +1,41 @@
 """The engine: tokenizer, the unit's step loop and its speculation settings together.
 
-Used by the CLI and by a serving unit. Text in (a prompt or chat messages), events out. Every
-request goes through the batched step loop (``specdec.batch.loop``), alone or with others;
-its parts are local (``Engine.load``) or worker actors (the serving unit in ``actors`` mode).
+Used by the CLI, the benchmark and a serving unit. Text in (a prompt or chat messages), typed
+events out (``specdec.engine.events``). Every request goes through the batched step loop
+(``specdec.engine.loop``), alone or with others; its target and draft sides are local
+(``Engine.load``) or worker actors (the serving unit in ``actors`` mode).
+
+    plan.py      one step as a typed plan, and the round helpers (seeds, cuts)
+    schedule.py  the unit's measured costs and the goodput rule (each row's k under load)
+    loop.py      admission, planning, drafting in the loop, commit; the request handles
+    target.py    the target's side of a step: its drafters, one forward, verification, rollback
+    events.py    what a request is told
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
-from specdec import telemetry
-from specdec.batch.drafters import EarlyExitBatchDrafter, LocalDraft, ModelBatchDrafter
-from specdec.batch.loop import Event, GenerationRequest, StepLoop
 from specdec.batch.runner import BatchRunner
-from specdec.batch.target import TargetStep
 from specdec.config import ModelConfig, SpeculationConfig
-from specdec.drafters.eagle import EagleBatchDrafter
-from specdec.drafters.early_exit import exit_parts
-from specdec.loading import check_same_vocabulary
-from specdec.models.eagle import load_eagle_head
+from specdec.drafters import build_drafters, offered_modes
+from specdec.drafters.base import BatchDrafter, Drafted, DraftRow
+from specdec.engine.events import RoundEvent
+from specdec.engine.loop import GenerationRequest, StepLoop
+from specdec.engine.target import TargetStep
+from specdec.loading import check_same_vocabulary, load_model, load_tokenizer
 from specdec.policy import PolicyConfig
-from specdec.loading import DTYPES, load_model, load_tokenizer
 from specdec.sampling import SamplingParams
 from specdec.stats import RoundStats, SpeculationSummary
 
-__all__ = ["Completion", "Engine", "Event", "PromptTooLong", "eos_token_ids", "draft_tokenizer", "load_draft_step", "load_target_step", "local_parts", "target_tokenizer"]
+__all__ = ["Completion", "Engine", "LocalDraft", "PromptTooLong", "RoundEvent", "draft_tokenizer", "eos_token_ids",
+           "load_draft_step", "load_target_step", "local_parts", "target_tokenizer"]
 
 
 @dataclass
@@ -85,20 +91,21 @@ class Engine:
         """Both models in this process."""
         speculation = speculation or SpeculationConfig()
         tokenizer = target_tokenizer(models)
-        target, draft, modes, eos = local_parts(models, speculation, tokenizer, kv_cache_tokens)
-        return cls.from_parts(tokenizer, target, draft, modes, eos_token_ids=eos,
+        target, draft, eos = local_parts(models, speculation, tokenizer, kv_cache_tokens)
+        return cls.from_parts(tokenizer, target, draft, models, eos_token_ids=eos,
                               capacity_tokens=target.runner.capacity, max_length=target.max_length,
                               speculation=speculation, max_num_seqs=max_num_seqs, step_tokens=step_tokens)
 
     @classmethod
-    def from_parts(cls, tokenizer, target, draft, modes: list[str], *, eos_token_ids: frozenset[int],
+    def from_parts(cls, tokenizer, target, draft, models: ModelConfig, *, eos_token_ids: frozenset[int],
                    capacity_tokens: int, max_length: int | None, speculation: SpeculationConfig,
                    max_num_seqs: int = 16, step_tokens: int = 512) -> "Engine":
         """The one builder: a step loop over a target side and a draft side, local (a
-        ``TargetStep``, a ``LocalDraft``) or worker actors behind the same two methods."""
-        loop = StepLoop(target, draft, modes, tokenizer=tokenizer, eos_token_ids=eos_token_ids,
+        ``TargetStep``, a ``LocalDraft``) or worker actors behind the same two methods; the
+        drafters that run in the loop itself are built here."""
+        loop = StepLoop(target, draft, offered_modes(models), tokenizer=tokenizer, eos_token_ids=eos_token_ids,
                         capacity_tokens=capacity_tokens, max_num_seqs=max_num_seqs, step_tokens=step_tokens,
-                        ngram=(speculation.ngram_min, speculation.ngram_max),
+                        loop_drafters=build_drafters("loop", models, speculation, None, capacity_tokens),
                         default_k=speculation.num_speculative_tokens, max_length=max_length)
         return cls(tokenizer, loop, speculation=speculation)
 
@@ -133,7 +140,7 @@ class Engine:
 
     @property
     def costs(self):
-        """The unit's measured step costs (``specdec.batch.schedule.StepCosts``)."""
+        """The unit's measured step costs (``specdec.engine.schedule.StepCosts``)."""
         return self.loop.costs
 
     @property
@@ -209,14 +216,19 @@ class Engine:
         self.loop.check_fits(req)
         return req
 
-    def stream(self, prompt_ids: list[int], **kwargs) -> Iterator[Event]:
+    def stream(self, prompt_ids: list[int], **kwargs) -> Iterator[RoundEvent]:
         """The request's events as its rounds finish; closing the iterator cancels it."""
-        kwargs.pop("request_id", None)  # cache keys are the loop's own, never a caller's
         handle = self.loop.submit(self.request(prompt_ids, **kwargs))
         try:
-            for event in handle:
-                for what in event.policy_events:  # onto the round being traced, if any
-                    telemetry.add_policy_event(what)
+            yield from handle
+        finally:
+            handle.cancel()
+
+    async def astream(self, request: GenerationRequest) -> AsyncIterator[RoundEvent]:
+        """``stream`` for an asyncio task: no thread waits for the request's events."""
+        handle = self.loop.submit(request, loop=asyncio.get_running_loop())
+        try:
+            async for event in handle:
                 yield event
         finally:
             handle.cancel()
@@ -248,16 +260,28 @@ class Engine:
         )
 
 
+class LocalDraft:
+    """The draft side of a step, in this process: the draft model's drafter."""
+
+    def __init__(self, drafter: BatchDrafter):
+        self.drafter = drafter
+
+    def propose(self, rows: list[DraftRow], release: list[str] = ()) -> Drafted:
+        for key in release:
+            self.drafter.release(key)
+        return self.drafter.propose(rows)
+
+
 def local_parts(models: ModelConfig, speculation: SpeculationConfig, tokenizer,
-                kv_cache_tokens: int | None = None) -> tuple[TargetStep, LocalDraft | None, list[str], frozenset[int]]:
-    """The target's step (with early exit, when configured), the draft's, the modes they
-    offer and the EOS ids, with the models in this process."""
+                kv_cache_tokens: int | None = None) -> tuple[TargetStep, LocalDraft | None, frozenset[int]]:
+    """The target's step (with the drafters that live on it), the draft's, and the EOS ids,
+    with the models in this process."""
     target, eos = load_target_step(models, speculation, tokenizer, kv_cache_tokens)
     draft = None
     if models.draft:
         check_same_vocabulary(tokenizer, draft_tokenizer(models))
-        draft = load_draft_step(models, target.runner.capacity)
-    return target, draft, available_modes(models), eos
+        draft = load_draft_step(models, speculation, target.runner.capacity)
+    return target, draft, eos
 
 
 def target_tokenizer(models: ModelConfig):
@@ -272,36 +296,17 @@ def draft_tokenizer(models: ModelConfig):
     return load_tokenizer(models.draft, revision=models.draft_revision, trust_remote_code=models.trust_remote_code)
 
 
-def available_modes(models: ModelConfig) -> list[str]:
-    """The drafters a model configuration offers."""
-    modes = ["ngram"]
-    if models.draft:
-        modes.append("draft")
-    if models.early_exit_adapter or models.early_exit_layer is not None:
-        modes.append("early_exit")
-    if models.eagle_head:
-        modes.append("eagle")
-    return modes
-
-
 def load_target_step(models: ModelConfig, speculation: SpeculationConfig, tokenizer,
                      kv_cache_tokens: int | None = None) -> tuple[TargetStep, frozenset[int]]:
-    """The target model on its token pool, with its early-exit and EAGLE drafters when configured."""
+    """The target model on its token pool, with the configured drafters that run on it."""
     target_model = load_model(models.target, models.dtype, models.device, revision=models.revision,
                               trust_remote_code=models.trust_remote_code)
     runner = BatchRunner(target_model, capacity_tokens=kv_cache_tokens, max_length=models.max_model_len)
-    early_exit = None
-    if models.early_exit_adapter or models.early_exit_layer is not None:
-        stack, head = exit_parts(target_model, models.early_exit_layer, models.early_exit_adapter)
-        early_exit = EarlyExitBatchDrafter(runner, stack, head, speculation.early_exit_threshold)
-    eagle = None
-    if models.eagle_head:
-        eagle = EagleBatchDrafter(runner, load_eagle_head(models.eagle_head, target_model, DTYPES[models.eagle_dtype]))
-    return TargetStep(runner, early_exit, eagle), eos_token_ids(tokenizer, target_model)
+    drafters = build_drafters("target", models, speculation, runner, runner.capacity)
+    return TargetStep(runner, drafters), eos_token_ids(tokenizer, target_model)
 
 
-def load_draft_step(models: ModelConfig, capacity_tokens: int) -> LocalDraft:
-    """The draft model on a pool of the target's size (the step loop lays out both alike)."""
-    draft_model = load_model(models.draft, models.draft_dtype, models.device, revision=models.draft_revision,
-                             trust_remote_code=models.trust_remote_code)
-    return LocalDraft(ModelBatchDrafter(BatchRunner(draft_model, capacity_tokens=capacity_tokens)))
+def load_draft_step(models: ModelConfig, speculation: SpeculationConfig, capacity_tokens: int) -> LocalDraft:
+    """The draft side: its drafter on a pool of the target's size (the loop lays out both alike)."""
+    (drafter,) = build_drafters("draft", models, speculation, None, capacity_tokens).values()
+    return LocalDraft(drafter)

@@ -67,8 +67,6 @@ class StepCosts:
     ``v(k)`` = a (k+1)-token pass / step_s.
     """
 
-    frozen = False
-
     def __init__(self, prior_c: dict[str, float] | None = None, prior_verify_slope: float = 0.03):
         self.prior_c = {"draft": 0.15, "ngram": 0.01, "early_exit": 0.3, "eagle": 0.1, **(prior_c or {})}
         self._verify = _Line(PRIOR_STEP_S, prior_verify_slope)
@@ -100,14 +98,11 @@ class StepCosts:
         line = self._draft.get(mode)
         return line.b if line is not None else 0.1 * self.draft_step_s(mode, 1) / 1.1
 
-    # --- the per-request policy's view (specdec.policy.CostModel's interface) ---------------
+    # --- the per-request policy's view (``specdec.policy.Costs``) -----------------------------
 
     @property
     def step_s(self) -> float | None:
         return self._verify(1) if self._verify.seen else None
-
-    def observe(self, r) -> None:
-        """Rounds are observed per step by the loop, not per request."""
 
     def c(self, mode: str) -> float:
         if mode not in self._draft or not self._verify.seen:

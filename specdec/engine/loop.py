@@ -2,21 +2,24 @@
 
     admit   : waiting requests get a pool range (prompt + max_tokens + k_max + 1 tokens) while
               the token budget and ``max_num_seqs`` allow; a request that does not fit waits
-    plan    : prefill chunks under the per-step token budget; decode rows, each with its k
-              (its policy's choice, trimmed by the goodput rule for the whole step)
-    draft   : prompt lookup here; the draft model in one batched call (the draft worker);
-              early exit inside the target's call
+    plan    : one ``StepPlan``: prompt chunks under the per-step token budget; decode rows,
+              each with its mode and k (its policy's choice, trimmed by the goodput rule for
+              the whole step); drafters that run in the loop (prompt lookup) draft here
+    draft   : the draft model's rows in one batched call (the draft side); early exit and
+              EAGLE inside the target's call
     verify  : ONE target forward over every row, verification of the whole batch
-    commit  : each request's tokens, text and round statistics to its own queue
+    commit  : each request's tokens, text and round statistics to its own handle
 
-Requests see none of this: ``submit`` returns a ``Handle`` that yields ``Event``s. A cancelled
-handle leaves the batch at the next step and frees its range. Cache keys are made here, never
-taken from a client. Every request's randomness comes from ``round_seed`` (request seed,
-round, role), so it does not depend on what it is batched with.
+Requests see none of this: ``submit`` returns a ``Handle`` that yields typed events
+(``specdec.engine.events``), to a thread or to an asyncio task. A cancelled handle leaves the
+batch at the next step and frees its range. Cache keys are made here, never taken from a
+client. Every request's randomness comes from ``round_seed`` (request seed, round, role), so
+it does not depend on what it is batched with.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import queue
@@ -24,20 +27,21 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
 from specdec.batch.cache import RangeAllocator
-from specdec.batch.drafters import DraftRow, propose_ngram
-from specdec.batch.runner import BatchRow
-from specdec.batch.schedule import Candidate, StepCosts, allocate
-from specdec.batch.target import StepResult, TargetRow
-from specdec.drafters.base import EMPTY_PROPOSAL
-from specdec.decoding import (
-    DRAFT, DRAFT_RETRY_ROUNDS, TARGET, DraftUnavailable, RoundStats, cut_round, draft_budget, round_seed,
+from specdec.drafters import DRAFTERS
+from specdec.drafters.base import EMPTY_PROPOSAL, BatchDrafter
+from specdec.engine.events import ErrorEvent, RoundEvent
+from specdec.engine.plan import (
+    DRAFT, DRAFT_RETRY_ROUNDS, TARGET, DraftUnavailable, Row, StepPlan, cut_round, draft_budget, round_seed,
 )
-from specdec.policy import CostModel, ModeSwitch, PolicyConfig, SpeculationPolicy
+from specdec.engine.schedule import Candidate, StepCosts, allocate
+from specdec.engine.target import StepResult, draft_rows
+from specdec.policy import PolicyConfig, SpeculationPolicy
 from specdec.sampling import SamplingParams, make_generator
+from specdec.stats import RoundStats
 from specdec.text import TextStream
 
 log = logging.getLogger(__name__)
@@ -58,55 +62,64 @@ class GenerationRequest:
     min_tokens: int = 0  # no stop token or stop string ends the request before this many tokens
 
 
-@dataclass
-class Event:
-    """One round's output as text and ids; ``finish_reason`` is set on the last event."""
-
-    text: str
-    token_ids: list[int]
-    stats: RoundStats
-    finish_reason: str | None = None
-    policy_summary: dict | None = None  # the speculation controller's summary, on the last event
-    policy_events: list[str] = field(default_factory=list)  # decisions taken before this round
-    error: str | None = None  # the unit failed this request (no stats then)
-    queued_s: float | None = None  # on the first event: from submit to admission into the batch
-
-
 class Handle:
-    """A submitted request: iterate for its events; ``cancel()`` to stop it."""
+    """A submitted request: iterate (``for`` in a thread, ``async for`` on the event loop it was
+    submitted with) for its events; ``cancel()`` to stop it."""
 
-    def __init__(self, key: str):
+    def __init__(self, key: str, loop: asyncio.AbstractEventLoop | None = None):
         self.key = key
-        self.events: queue.Queue = queue.Queue()
         self.cancelled = threading.Event()
+        self._loop = loop
+        self._events: queue.Queue | asyncio.Queue = asyncio.Queue() if loop is not None else queue.Queue()
 
     def cancel(self) -> None:
         self.cancelled.set()
 
-    def __iter__(self) -> Iterator[Event]:
+    def put(self, event: RoundEvent | ErrorEvent) -> None:
+        """From the loop thread."""
+        if self._loop is None:
+            self._events.put(event)
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+        except RuntimeError:  # the event loop is closed: nobody is listening
+            self.cancel()
+
+    @staticmethod
+    def _check(event: RoundEvent | ErrorEvent) -> RoundEvent:
+        if isinstance(event, ErrorEvent):
+            raise RuntimeError(event.message)
+        return event
+
+    def __iter__(self) -> Iterator[RoundEvent]:
         while True:
-            event = self.events.get()
-            if event.error is not None:
-                raise RuntimeError(event.error)
+            event = self._check(self._events.get())
+            yield event
+            if event.finish_reason:
+                return
+
+    async def __aiter__(self) -> AsyncIterator[RoundEvent]:
+        while True:
+            event = self._check(await self._events.get())
             yield event
             if event.finish_reason:
                 return
 
 
-@dataclass
+@dataclass(eq=False)  # identity: a request is itself, not its contents
 class _Live:
     """A request in the unit."""
 
     req: GenerationRequest
     handle: Handle
     seed: int
+    policy: SpeculationPolicy | None
+    text: TextStream
     start: int = 0
     capacity: int = 0
     prefilled: int = 0  # prompt tokens already in the target's cache (chunked prefill)
     out: list[int] = field(default_factory=list)
     rounds: list[RoundStats] = field(default_factory=list)
-    policy: SpeculationPolicy | None = None
-    text: TextStream | None = None
     draft_retry_at: int = 0
     events_sent: int = 0
     submitted: float = field(default_factory=time.perf_counter)
@@ -120,33 +133,31 @@ class _Live:
     def ids(self) -> list[int]:
         return self.req.prompt_ids + self.out
 
-
-@dataclass
-class _Plan:
-    live: _Live
-    mode: str  # "prefill", "off" or the drafter's name
-    k: int
-    draft_error: str | None = None  # its drafter failed this step: it ran as a plain row
+    @property
+    def decoding(self) -> bool:
+        return bool(self.rounds) or self.prefilled >= len(self.req.prompt_ids)
 
 
 class StepLoop:
     """The unit's scheduler and loop (module docstring).
 
-    ``target``: ``run(rows, chunks, external, release) -> StepResult`` (a ``TargetStep``, or
-    a worker behind it); ``draft``: ``propose(rows, release)`` -> a ``DraftResult`` or a
-    handle to one that ``target.run`` resolves (None without a draft model); ``modes``: the
-    speculation modes available (``draft``, ``ngram``, ``early_exit``, ``eagle``).
+    ``target``: ``run(plan, external, release) -> StepResult`` (a ``TargetStep``, or a worker
+    behind it); ``draft``: ``propose(rows, release)`` -> ``Drafted`` or a handle to one that
+    ``target.run`` resolves (None without a draft model); ``loop_drafters``: the drafters that
+    run here (prompt lookup); ``modes``: every drafter the unit offers.
     """
 
     def __init__(self, target, draft, modes: list[str], *, tokenizer, eos_token_ids: frozenset[int],
                  capacity_tokens: int, max_num_seqs: int = 16, step_tokens: int = 512,
-                 policy: Callable[[], PolicyConfig] = PolicyConfig, ngram: tuple[int, int] = (1, 4),
+                 policy: Callable[[], PolicyConfig] = PolicyConfig,
+                 loop_drafters: dict[str, BatchDrafter] | None = None,
                  default_k: int = 4, max_length: int | None = None):
         self.target, self.draft, self.modes = target, draft, list(modes)
+        self.loop_drafters = dict(loop_drafters or {})
         self.tokenizer, self.eos_token_ids = tokenizer, eos_token_ids
         self.allocator = RangeAllocator(capacity_tokens)
         self.max_num_seqs, self.step_tokens = max_num_seqs, step_tokens
-        self.policy_config, self.ngram, self.default_k = policy, ngram, default_k
+        self.policy_config, self.default_k = policy, default_k
         self.max_length = max_length
         self.costs = StepCosts()
         self._waiting: deque[_Live] = deque()
@@ -168,12 +179,12 @@ class StepLoop:
                 f"this unit holds {self.allocator.capacity}"
             )
 
-    def submit(self, req: GenerationRequest) -> Handle:
+    def submit(self, req: GenerationRequest, *, loop: asyncio.AbstractEventLoop | None = None) -> Handle:
+        """Queue ``req``; its events go to a thread (``loop=None``) or to asyncio ``loop``."""
         self.check_fits(req)
         seed = req.params.seed if req.params.seed is not None else int(make_generator(None).initial_seed())
-        live = _Live(req, Handle(uuid.uuid4().hex), seed)
-        live.policy = self._new_policy(req)
-        live.text = TextStream(self.tokenizer, stop=list(req.stop), min_tokens=req.min_tokens)
+        text = TextStream(self.tokenizer, stop=list(req.stop), min_tokens=req.min_tokens)
+        live = _Live(req, Handle(uuid.uuid4().hex, loop), seed, self._new_policy(req), text)
         with self._cv:
             if self._closed:
                 raise RuntimeError("the unit is shutting down")
@@ -243,18 +254,16 @@ class StepLoop:
     def _new_policy(self, req: GenerationRequest) -> SpeculationPolicy | None:
         if req.mode == "off":
             return None
-        modes = self.modes if req.mode == "auto" else [req.mode]
         seeded = req.params.seed is not None and not req.params.greedy
-        cfg = self.policy_config()
         return SpeculationPolicy(
-            switch=ModeSwitch({m: None for m in modes}),
-            # A seeded sampling request decides on priors alone: which tokens rejection
-            # sampling draws depends on how its rounds are cut, so its cuts must not depend
-            # on timings or on what it is batched with.
-            costs=CostModel(frozen=True) if seeded else self.costs,
+            modes=self.modes if req.mode == "auto" else [req.mode],
+            # A seeded sampling request decides on priors alone (a cost model nothing observes):
+            # which tokens rejection sampling draws depends on how its rounds are cut, so its cuts
+            # must not depend on timings or on what it is batched with.
+            costs=StepCosts() if seeded else self.costs,
             config=self.policy_config,
             k_request=req.k or self.default_k,
-            adaptive=cfg.adaptive and (req.k is None or req.mode == "auto"),
+            adaptive=self.policy_config().adaptive and (req.k is None or req.mode == "auto"),
         )
 
     # --- one step ---------------------------------------------------------------------------
@@ -277,36 +286,20 @@ class StepLoop:
 
     def _step(self, lives: list[_Live]) -> None:
         self.steps += 1
-        plans, chunks = self._plan(lives)
         started_at = time.time()
-        rows, draft_rows = self._target_rows(plans)
-        draft_s, draft_steps = 0.0, 0
-        external = None
-        if draft_rows and self.draft is not None:
-            t0 = time.perf_counter()
-            external = self.draft.propose(draft_rows, self._take_release("draft"))
-            draft_s = time.perf_counter() - t0  # a local draft has run; a remote one reports its own
-        try:
-            result = self.target.run(rows, chunks, external, self._take_release("target"))
-        except DraftUnavailable as exc:
-            log.warning("draft worker failed (%s); this step's drafts run plainly", exc)
-            for p in plans:
-                if p.mode == "draft":
-                    p.live.draft_retry_at = len(p.live.rounds) + DRAFT_RETRY_ROUNDS
-            rows = [r if r.source != "external" else _plain(r) for r in rows]
-            result = self.target.run(rows, chunks, None, [])
-            for p in plans:
-                if p.mode == "draft":
-                    p.mode, p.k, p.draft_error = "off", 0, f"{type(exc).__name__}: {exc}"
-        draft_s = result.draft_s.get("draft", draft_s)
-        draft_steps = result.draft_steps.get("draft", max((p.k for p in plans if p.mode == "draft"), default=0))
-        self._observe_costs(plans, result, draft_s, draft_steps)
-        for plan, verdict, proposal in zip(plans, result.verdicts, result.proposals):
-            mode_s = draft_s if plan.mode == "draft" else result.draft_s.get(plan.mode, 0.0)
-            self._commit(plan, verdict, len(proposal), mode_s, result.verify_s, started_at)
-        for chunk in chunks:
-            live = next(lv for lv in self._running if lv.key == chunk.key)
-            live.prefilled = len(chunk.ids)
+        by_key = {lv.key: lv for lv in lives}
+        plan = self._plan(lives)
+        plan, loop_costs = self._draft_in_loop(plan)
+        plan, result, errors = self._verify(plan)
+        self._observe_costs(plan, result, loop_costs)
+        costs = {**loop_costs, **result.draft_costs}
+        emitting = [r for r in plan.rows if r.emits]
+        for row, verdict, drafted in zip(emitting, result.verdicts, result.drafted):
+            draft_s = costs.get(row.mode, (0.0, 0))[0] if drafted else 0.0
+            self._commit(by_key[row.key], row, verdict, draft_s, result.verify_s, started_at, errors.get(row.key))
+        for row in plan.rows:
+            if not row.emits:
+                by_key[row.key].prefilled = len(row.context)
 
     def _admit(self) -> None:
         with self._cv:
@@ -324,79 +317,49 @@ class StepLoop:
                 live.queued_s = time.perf_counter() - live.submitted
                 self._running.append(live)
 
-    def _plan(self, lives: list[_Live]) -> tuple[list[_Plan], list[BatchRow]]:
-        """Decode rows (each with its k) and prefill chunks for this step."""
-        decode = [lv for lv in lives if lv.prefilled >= len(lv.req.prompt_ids) or lv.rounds]
-        prefilling = [lv for lv in lives if lv not in decode]
+    # --- plan ---------------------------------------------------------------------------------
+
+    def _plan(self, lives: list[_Live]) -> StepPlan:
+        """Prompt rows first (oldest first, under the token budget), then decode rows with their k."""
+        decode = [lv for lv in lives if lv.decoding]
         budget = max(1, self.step_tokens - len(decode))
-        plans, chunks = [], []
-        for live in prefilling:  # oldest first; a prompt that fits finishes its prefill as a row
+        rows, other = [], 0
+        for live in (lv for lv in lives if not lv.decoding):
             rest = len(live.req.prompt_ids) - live.prefilled
-            if rest <= budget:
-                plans.append(_Plan(live, "prefill", 0))
-                budget -= rest
+            if rest <= budget:  # a prompt that fits finishes its prefill as an emitting row
+                rows.append(self._row(live, emits=True))
+                budget, other = budget - rest, other + rest
             elif budget > 0:
-                chunks.append(BatchRow(live.key, live.req.prompt_ids[: live.prefilled + budget], 0,
-                                       live.start, live.capacity))
+                rows.append(self._row(live, emits=False, context=live.req.prompt_ids[: live.prefilled + budget]))
+                other += budget
                 budget = 0
-        other = sum(len(c.ids) - self._prefilled_of(c.key) for c in chunks)
-        other += sum(len(p.live.req.prompt_ids) - p.live.prefilled for p in plans)
-        cands, decode_plans = [], []
         cfg = self.policy_config()
-        for live in decode:
-            cand = self._candidate(live, cfg)
-            decode_plans.append(_Plan(live, cand.mode, 0))
-            cands.append(cand)
+        cands = [self._candidate(live, cfg) for live in decode]
         # A lone row keeps its policy's k (the same costs, one request); a batch shares a step.
         ks = allocate(cands, self.costs, other) if len(cands) > 1 else [c.k_cap for c in cands]
-        for plan, k in zip(decode_plans, ks):
-            plan.k = k
-            if k == 0:
-                plan.mode = "off"
-        return plans + decode_plans, chunks
+        rows += [self._row(live, mode=c.mode if k else "off", k=k) for live, c, k in zip(decode, cands, ks)]
+        return StepPlan(rows)
 
-    def _prefilled_of(self, key: str) -> int:
-        return next((lv.prefilled for lv in self._running if lv.key == key), 0)
+    def _row(self, live: _Live, *, emits: bool = True, context: list[int] | None = None, mode: str = "off",
+             k: int = 0) -> Row:
+        index = len(live.rounds)
+        return Row(live.key, context if context is not None else live.ids, live.start, live.capacity, emits,
+                   mode, k, live.req.params, round_seed(live.seed, index, TARGET),
+                   round_seed(live.seed, index, DRAFT), **self._suppressed(live))
 
     def _candidate(self, live: _Live, cfg: PolicyConfig) -> Candidate:
         """This row's policy decision: its mode, its most k, and whether k is fixed."""
         policy = live.policy
-        remaining = live.req.max_tokens - len(live.out)
-        index = len(live.rounds)
-        if policy is None or cfg.kill_switch or index < live.draft_retry_at:
-            if policy is not None:
-                policy._update(live.rounds, cfg)  # keep its estimates current
+        if policy is None:
             return Candidate(0.0, 0, "off", fixed=True)
-        k = draft_budget(min(policy(live.rounds), cfg.k_max), remaining)
-        mode = policy.switch.active
-        a = policy.acceptance.get(mode, cfg.prior_acceptance)
+        if cfg.kill_switch or len(live.rounds) < live.draft_retry_at:
+            policy.observe(live.rounds)  # keep its estimates current
+            return Candidate(0.0, 0, "off", fixed=True)
+        mode, k = policy.decide(live.rounds)
+        k = draft_budget(min(k, cfg.k_max), live.req.max_tokens - len(live.out))
         seeded = live.req.params.seed is not None and not live.req.params.greedy
         fixed = seeded or policy.probing or not policy.adaptive
-        return Candidate(a, k, mode, fixed=fixed)
-
-    def _target_rows(self, plans: list[_Plan]) -> tuple[list[TargetRow], list[DraftRow]]:
-        rows, draft_rows = [], []
-        ngram = [p for p in plans if p.mode == "ngram" and p.k]
-        lookups = propose_ngram([DraftRow(p.live.key, p.live.ids, p.k, p.live.req.params, 0) for p in ngram],
-                                *self.ngram)
-        by_key = {p.live.key: prop for p, prop in zip(ngram, lookups)}
-        for p in plans:
-            live, index = p.live, len(p.live.rounds)
-            target_seed = round_seed(live.seed, index, TARGET)
-            draft_seed = round_seed(live.seed, index, DRAFT)
-            base = dict(key=live.key, context=live.ids, params=live.req.params, seed=target_seed,
-                        start=live.start, capacity=live.capacity, **self._suppressed(live))
-            if p.mode == "ngram" and p.k:
-                rows.append(TargetRow(**base, source="given", proposal=by_key[live.key]))
-            elif p.mode == "draft" and p.k:
-                rows.append(TargetRow(**base, source="external"))
-                draft_rows.append(DraftRow(live.key, live.ids, p.k, live.req.params, draft_seed,
-                                           live.start, live.capacity))
-            elif p.mode in ("early_exit", "eagle") and p.k:  # drafted on the target's side
-                rows.append(TargetRow(**base, source=p.mode, k=p.k, draft_seed=draft_seed))
-            else:
-                rows.append(TargetRow(**base))
-        return rows, draft_rows
+        return Candidate(policy.acceptance.get(mode, cfg.prior_acceptance), k, mode, fixed=fixed)
 
     def _stop_ids(self, req: GenerationRequest) -> frozenset[int]:
         return req.stop_token_ids if req.ignore_eos else req.stop_token_ids | self.eos_token_ids
@@ -407,35 +370,68 @@ class StepLoop:
         left = live.req.min_tokens - len(live.out)
         return dict(suppress=tuple(sorted(self._stop_ids(live.req))), suppress_for=left) if left > 0 else {}
 
+    # --- draft and verify ---------------------------------------------------------------------
+
+    def _draft_in_loop(self, plan: StepPlan) -> tuple[StepPlan, dict[str, tuple[float, int]]]:
+        """The drafters that run in the loop write their proposals into the plan."""
+        costs, given = {}, {}
+        for mode, drafter in self.loop_drafters.items():
+            if rows := plan.drafting(mode):
+                drafted = drafter.propose(draft_rows(rows))
+                costs[mode] = (drafted.seconds, drafted.steps)
+                given.update({r.key: p for r, p in zip(rows, drafted.proposals)})
+        if not given:
+            return plan, costs
+        return StepPlan([dataclasses.replace(r, proposal=given[r.key]) if r.key in given else r
+                         for r in plan.rows]), costs
+
+    def _verify(self, plan: StepPlan) -> tuple[StepPlan, StepResult, dict[str, str]]:
+        """The draft side's call (it returns at once), then the target's; a failed draft side
+        makes its rows plain for this step and for the next ``DRAFT_RETRY_ROUNDS`` rounds."""
+        external_rows = [r for r in plan.rows if r.speculates and DRAFTERS[r.mode].where == "draft"]
+        external = None
+        if external_rows and self.draft is not None:
+            external = self.draft.propose(draft_rows(external_rows), self._take_release("draft"))
+        try:
+            return plan, self.target.run(plan, external, self._take_release("target")), {}
+        except DraftUnavailable as exc:
+            log.warning("draft worker failed (%s); this step's drafts run plainly", exc)
+        failed = {r.key for r in external_rows}
+        for live in self._running:
+            if live.key in failed:
+                live.draft_retry_at = len(live.rounds) + DRAFT_RETRY_ROUNDS
+        plan = StepPlan([dataclasses.replace(r, mode="off", k=0, proposal=EMPTY_PROPOSAL) if r.key in failed else r
+                         for r in plan.rows])
+        return plan, self.target.run(plan, None, []), {key: f"DraftUnavailable: {exc}" for key in failed}
+
     def _take_release(self, side: str) -> list[str]:
         keys = [k for s, k in self._release if s == side]
         self._release = [(s, k) for s, k in self._release if s != side]
         return keys
 
-    def _observe_costs(self, plans: list[_Plan], result: StepResult, draft_s: float, draft_steps: int) -> None:
+    def _observe_costs(self, plan: StepPlan, result: StepResult, loop_costs: dict[str, tuple[float, int]]) -> None:
         if result.tokens:
             self.costs.observe_verify(result.tokens, result.verify_s)
-        for mode in ("draft", "early_exit", "eagle"):
-            rows = sum(1 for p in plans if p.mode == mode)
-            seconds = draft_s if mode == "draft" else result.draft_s.get(mode, 0.0)
-            steps = draft_steps if mode == "draft" else result.draft_steps.get(mode, 0)
+        for mode, (seconds, steps) in {**loop_costs, **result.draft_costs}.items():
+            rows = len(plan.drafting(mode))
             if rows and steps and seconds > 0:
                 self.costs.observe_draft(mode, rows, seconds / steps)
 
     # --- commit -------------------------------------------------------------------------------
 
-    def _commit(self, plan: _Plan, verdict, drafted: int, draft_s: float, verify_s: float, started_at: float):
-        live = plan.live
-        if verdict is None:
-            raise RuntimeError(f"no verdict for request {live.key}")
-        stops = self._stop_ids(live.req)
-        tokens, finish = cut_round(verdict.tokens, live.req.max_tokens - len(live.out), stops)
+    def _commit(self, live: _Live, row: Row, verdict, draft_s: float, verify_s: float, started_at: float,
+                draft_error: str | None) -> None:
+        tokens, finish = cut_round(verdict.tokens, live.req.max_tokens - len(live.out), self._stop_ids(live.req))
         live.out.extend(tokens)
         index = len(live.rounds)
+        events: tuple[str, ...] = ()
+        if live.policy is not None:  # the decisions taken for this round
+            events = tuple(what for _, what in live.policy.events[live.events_sent:])
+            live.events_sent = len(live.policy.events)
         stats = RoundStats(
-            index=index, mode="prefill" if index == 0 else plan.mode, k=plan.k, drafted=verdict.num_drafted,
-            accepted=verdict.num_accepted, emitted=len(tokens), draft_s=draft_s if drafted else 0.0,
-            verify_s=verify_s, started_at=started_at, draft_error=plan.draft_error,
+            index=index, mode="prefill" if index == 0 else row.mode, k=row.k, drafted=verdict.num_drafted,
+            accepted=verdict.num_accepted, emitted=len(tokens), draft_s=draft_s, verify_s=verify_s,
+            started_at=started_at, draft_error=draft_error, events=events,
         )
         live.rounds.append(stats)
         if index == 0:
@@ -445,13 +441,8 @@ class StepLoop:
             finish = "stop"
         if finish:
             delta += live.text.finish()
-        events = []
-        if live.policy is not None:
-            events = [what for _, what in live.policy.events[live.events_sent:]]
-            live.events_sent = len(live.policy.events)
         summary = (live.policy.summary() if live.policy else {}) if finish else None
-        live.handle.events.put(Event(delta, kept, stats, finish, summary, events,
-                                     queued_s=live.queued_s if index == 0 else None))
+        live.handle.put(RoundEvent(delta, kept, stats, finish, summary, live.queued_s if index == 0 else None))
         if finish:
             self._finish(live)
 
@@ -461,8 +452,4 @@ class StepLoop:
             self.allocator.free(live.start, live.capacity)
             self._release += [("target", live.key), ("draft", live.key)]
         if error is not None:
-            live.handle.events.put(Event("", [], None, "error", error=error))  # type: ignore[arg-type]
-
-
-def _plain(row: TargetRow) -> TargetRow:
-    return dataclasses.replace(row, source="given", proposal=EMPTY_PROPOSAL, k=0, draft_seed=0)
+            live.handle.put(ErrorEvent(error))

@@ -1,0 +1,98 @@
+"""The target's half of a step: draft what drafts on the target (early exit, EAGLE), then ONE
+forward over every row, verify the whole batch, roll back. It runs where ``p`` lives: in the
+unit's process (``in_process``) or in the TargetWorker (``actors``), one call per step either way.
+
+1. draft  : rows of a ``"target"`` drafter draft here, on the target's own pool (EAGLE reads
+            the features the previous verify pass kept); the others bring their proposals
+            (``Row.proposal`` from the loop, ``external`` from the draft side);
+2. verify : one target pass over every row: what its cache misses, plus its drafts;
+3. accept : ``verify_batch`` over the flattened logits of the emitting rows;
+4. roll back each emitting row to its context + accepted drafts (the last token is fed next step).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.batch.runner import BatchRow, BatchRunner
+from specdec.batch.verify import VerifyRow, verify_batch
+from specdec.drafters import DRAFTERS
+from specdec.drafters.base import BatchDrafter, Drafted, DraftRow, Proposal
+from specdec.engine.plan import Row, StepPlan
+from specdec.verify import Verdict
+
+
+@dataclass
+class StepResult:
+    """What the target side did. Per emitting row (plan order): its verdict and how many
+    tokens it drafted. Per drafting mode that ran away from the loop: (seconds, draft passes)."""
+
+    verdicts: list[Verdict]
+    drafted: list[int]
+    verify_s: float = 0.0
+    draft_costs: dict[str, tuple[float, int]] = field(default_factory=dict)
+    tokens: int = 0  # tokens in the target pass (its cost driver)
+
+
+def draft_rows(rows: list[Row]) -> list[DraftRow]:
+    return [DraftRow(r.key, r.context, r.k, r.params, r.draft_seed, r.start, r.capacity) for r in rows]
+
+
+class TargetStep:
+    """The verifying side of the step loop, around a ``BatchRunner`` and the drafters that
+    live on it (``drafters``: mode -> a ``"target"`` drafter)."""
+
+    def __init__(self, runner: BatchRunner, drafters: dict[str, BatchDrafter] | None = None):
+        self.runner = runner
+        self.drafters = dict(drafters or {})
+
+    @property
+    def max_length(self) -> int | None:
+        return self.runner.max_length
+
+    def run(self, plan: StepPlan, external: Drafted | None = None, release: list[str] = ()) -> StepResult:
+        """``external``: the draft side's proposals for the rows of its mode(s), in plan order."""
+        for key in release:
+            self.runner.release(key)
+            for drafter in self.drafters.values():
+                drafter.release(key)
+        result = StepResult(verdicts=[], drafted=[])
+        proposals = self._proposals(plan, external, result)
+        emitting = [r for r in plan.rows if r.emits]
+        # 2. one pass: every row's missing tokens, and each emitting row's pending token + drafts
+        batch = [BatchRow(r.key, r.context + proposals[r.key].tokens, len(proposals[r.key]) + 1, r.start, r.capacity)
+                 if r.emits else BatchRow(r.key, r.context, 0, r.start, r.capacity) for r in plan.rows]
+        t0 = time.perf_counter()
+        logits = self.runner.forward(batch)
+        result.verify_s = time.perf_counter() - t0
+        result.tokens = self.runner.last_fed
+        if not emitting:
+            return result
+        # 3. accept / reject over the flattened rows
+        flat = torch.cat([lg for lg, r in zip(logits, plan.rows) if r.emits])
+        verdicts = verify_batch([VerifyRow(proposals[r.key].tokens, r.params, r.target_seed, proposals[r.key].probs,
+                                           r.suppress, r.suppress_for) for r in emitting], flat)
+        # 4. roll back: each row keeps its context and accepted drafts
+        for r, v in zip(emitting, verdicts):
+            self.runner.truncate(r.key, len(r.context) + v.num_accepted)
+        result.verdicts, result.drafted = verdicts, [len(proposals[r.key]) for r in emitting]
+        return result
+
+    def _proposals(self, plan: StepPlan, external: Drafted | None, result: StepResult) -> dict[str, Proposal]:
+        """1. Every emitting row's drafts, by key: given, from the draft side, or drafted here."""
+        proposals = {r.key: r.proposal for r in plan.rows}
+        if external is not None:
+            result.draft_costs.update({m: (external.seconds, external.steps) for m in plan.modes
+                                       if DRAFTERS[m].where == "draft"})
+            rows = [r for r in plan.rows if r.speculates and DRAFTERS[r.mode].where == "draft"]
+            proposals.update({r.key: p for r, p in zip(rows, external.proposals)})
+        for mode, drafter in self.drafters.items():
+            rows = plan.drafting(mode)
+            if rows:
+                drafted = drafter.propose(draft_rows(rows))
+                result.draft_costs[mode] = (drafted.seconds, drafted.steps)
+                proposals.update({r.key: p for r, p in zip(rows, drafted.proposals)})
+        return proposals
