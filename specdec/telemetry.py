@@ -5,20 +5,20 @@
                  error.type when it fails. A child of the caller's W3C ``traceparent`` if any
                  (or, when incoming context is not trusted, a new root linked to it)
       prefill    round 0, the prompt (k = 0)
-        verify   in the TargetWorker
+        verify
       round      one per round: specdec.mode, k, drafted, accepted, bonus, emitted, draft_ms,
-                 verify_ms; events specdec.fallback / specdec.probe / specdec.mode_switch
-        draft    in the DraftWorker
-        verify   in the TargetWorker
+                 verify_ms; events specdec.fallback / probe / resume / mode_switch
+        draft    (k > 0)
+        verify
       round ...
 
-A round's span takes its times from ``RoundStats`` (draft from ``started_at``, verify after),
-so it can only be built after the round, yet the workers' spans need their parent *during*
-it. ``RequestTrace.rounds`` therefore reserves each round's span id before the round (our
-``IdGenerator`` hands that id out again when the span is built: see ``_ReservableIds``) and
-makes a non-recording span with that id current meanwhile: an ``inject()`` in a worker call
-carries the round's id, and the tree joins up. ``decode()`` needs no hook. The spans are built
-when the request ends.
+Every span is built in the router from the rounds' ``RoundStats``, after the request: the
+router ``record``s each round's stats as it streams, and when the request's block ends each
+round becomes a span starting at ``started_at`` and lasting ``draft_s + verify_s``, with
+``draft`` / ``verify`` children from those timings and the policy's decisions of the round
+(``RoundStats.events``) as span events at its start. The workers make no spans. The request
+span is never made current (the block may be an async generator), so nothing here depends
+on the caller's context.
 
 GenAI semantic-convention names where one exists (``gen_ai.request.model``,
 ``gen_ai.usage.output_tokens``, ...), ``specdec.*`` otherwise. Spans go through a
@@ -40,36 +40,22 @@ fill the disk. ``configure_tracing(..., trust_incoming=False)`` makes each reque
 root trace, sampled by our own ratio, with a span *link* to the caller's span context so the
 two traces can still be joined. ``request_span(..., trust_incoming=)`` decides for one request
 (say, trusting authenticated callers only); ``SPECDEC_TRACE_TRUST_INCOMING=0`` distrusts every
-request whatever the code says. Inside our own trace nothing changes: the workers follow the
-router's decision through ``inject()`` / ``worker_span``.
+request whatever the code says.
 
-Integration (the router, the ingress and the workers each call a few functions):
+Integration:
 
-    # every process (SpecRouter.__init__, TargetWorker.__init__, DraftWorker.__init__):
-    telemetry.configure_tracing("specdec-router")          # idempotent; SPECDEC_TRACING=0 disables
+    telemetry.configure_tracing("specdec-router")   # once per process; SPECDEC_TRACING=0 disables
 
     # ingress: pass the caller's context on (a plain dict crosses the Ray hop)
     req["trace_context"] = telemetry.carrier_from_headers(request.headers)
 
-    # router, SpecRouter._run (one thread per request); phases=True when colocation is
-    # in_process (no workers: draft / verify spans come from the round's timings):
+    # router, one request:
     attrs = telemetry.request_attributes(model=..., operation="chat", max_tokens=..., ...)
     with telemetry.request_span(carrier=req.get("trace_context"), attributes=attrs) as trace:
-        for event in trace.rounds(self.engine.stream(ids, **kwargs)):   # anything with .stats
-            ...
-        trace.finish(mode=mode, finish_reason=finish, input_tokens=len(ids), output_tokens=n)
-        emit({"type": "end", ...})   # inside: the round spans are built as the block exits
-
-    # router side of each actor call (RemoteTarget.verify / RemoteDrafter.propose):
-    self.actor.verify.remote(seq_id, context, proposal, params, seed, trace=telemetry.inject())
-
-    # worker side (TargetWorker.verify / DraftWorker.propose):
-    with telemetry.worker_span("verify", trace, {"specdec.k": len(proposal)}) as span:
-        verdict = verify_round(...)
-        span.set_attribute("specdec.accepted", verdict.num_accepted)
-
-    # SpeculationPolicy, next to each self.events.append((index, what)) (inside the round):
-    telemetry.add_policy_event(what)     # "probe:draft" -> event specdec.probe, specdec.mode=draft
+        async for event in engine.astream(...):   # or a sync loop
+            trace.record(event.stats)
+        trace.finish(mode=..., finish_reason=..., input_tokens=..., output_tokens=...)
+    # the round spans are built, and the request span ended, as the block exits
 """
 
 from __future__ import annotations
@@ -79,89 +65,35 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from opentelemetry import context as context_api
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
-from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.sdk.trace.sampling import ParentBased, Sampler, TraceIdRatioBased
-from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode
+from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from specdec.stats import RoundStats, SpeculationSummary
 from specdec.tracing.format import (  # noqa: F401  (the attribute schema is part of this API)
-    ERROR_TYPE,
-    EVENT_FALLBACK,
-    EVENT_MODE_SWITCH,
-    EVENT_PROBE,
-    EVENT_RESUME,
-    POLICY_EVENTS,
-    JsonLinesSpanExporter,
-    Retention,
-    default_trace_dir,
-    request_attributes,
-    request_span_name,
-    round_attributes,
+    ERROR_TYPE, EVENT_FALLBACK, EVENT_MODE_SWITCH, EVENT_PROBE, EVENT_RESUME, POLICY_EVENTS, JsonLinesSpanExporter,
+    Retention, default_trace_dir, request_attributes, request_span_name, round_attributes,
 )
 
 log = logging.getLogger(__name__)
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 _TRACER_NAME = "specdec"
-T = TypeVar("T")
-
-
-class _ReservableIds(RandomIdGenerator):
-    """Random ids, except that the next span id drawn on a thread can be fixed in advance.
-
-    Why this and not something else: a round's span needs its id before the round (the
-    workers' spans point at it) but its start time only after (``RoundStats``). OpenTelemetry's
-    public API can neither give a started span an earlier start time nor create a span with a
-    chosen id: the SDK's ``Span`` refuses to be built outside a ``Tracer``, and a hand-made
-    ``ReadableSpan`` (which the SDK also asks users not to build) would skip the sampler, the
-    span limits and ``on_start``. The ``IdGenerator`` is the SDK's public extension point for
-    span ids (``TracerProvider(id_generator=)``), so the reservation lives there.
-
-    It assumes only that ``Tracer.start_span`` draws a recording span's id from the provider's
-    generator once, on the calling thread; ``start_span_with_id`` checks that it did, and logs
-    an error (once) if a future SDK breaks it: the round trees would come apart, not the server.
-    """
-
-    def __init__(self) -> None:
-        self._local = threading.local()
-        self.warned = False
-
-    def generate_span_id(self) -> int:
-        reserved = getattr(self._local, "span_id", None)
-        if reserved is not None:
-            self._local.span_id = None
-            return reserved
-        return super().generate_span_id()
-
-    def start_span_with_id(self, tracer: trace.Tracer, span_id: int, name: str, **kwargs) -> trace.Span:
-        """``tracer.start_span`` giving the span ``span_id``."""
-        self._local.span_id = span_id
-        try:
-            span = tracer.start_span(name, **kwargs)
-        finally:
-            self._local.span_id = None
-        if span.is_recording() and span.get_span_context().span_id != span_id and not self.warned:
-            self.warned = True
-            log.error("the OpenTelemetry SDK did not take the reserved span id: round spans will not "
-                      "parent their worker spans (specdec.telemetry._ReservableIds needs updating)")
-        return span
 
 
 class _State:
-    def __init__(self, provider: TracerProvider, ids: _ReservableIds, trust_incoming: bool):
-        self.provider, self.ids, self.trust_incoming = provider, ids, trust_incoming
+    def __init__(self, provider: TracerProvider, trust_incoming: bool):
+        self.provider, self.trust_incoming = provider, trust_incoming
         # the operator's SPECDEC_TRACE_TRUST_INCOMING=0 holds whatever the code asks for
         self.distrust_forced = _env_off("SPECDEC_TRACE_TRUST_INCOMING")
         self.tracer = provider.get_tracer(_TRACER_NAME)
@@ -188,15 +120,14 @@ def configure_tracing(
 
     Spans go to ``directory`` (default ``$SPECDEC_HOME/traces``) as OTLP/JSON lines, to OTLP
     when ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set, and to any extra ``exporters``. Sampling is
-    ``ParentBased(TraceIdRatioBased(sample_ratio))`` (a request keeps its caller's decision,
-    and the workers keep the router's) unless ``OTEL_TRACES_SAMPLER`` names a sampler: the
-    operator's standard knob wins over the code's default. ``OTEL_SERVICE_NAME`` overrides
-    ``service_name``; ``OTEL_RESOURCE_ATTRIBUTES`` joins the resource. ``trust_incoming=False`` (or
-    ``SPECDEC_TRACE_TRUST_INCOMING=0``) stops a caller's ``traceparent`` from deciding: see
-    ``request_span``. ``max_file_bytes`` / ``max_files`` / ``max_total_bytes`` bound the span
-    files (None: ``SPECDEC_TRACE_*`` from the environment, else ``Retention``'s
-    defaults). Returns None when disabled (``enabled=False`` or ``SPECDEC_TRACING=0``); every
-    other function here then does nothing.
+    ``ParentBased(TraceIdRatioBased(sample_ratio))`` (a request keeps its caller's decision)
+    unless ``OTEL_TRACES_SAMPLER`` names a sampler: the operator's standard knob wins over the
+    code's default. ``OTEL_SERVICE_NAME`` overrides ``service_name``; ``OTEL_RESOURCE_ATTRIBUTES``
+    joins the resource. ``trust_incoming=False`` (or ``SPECDEC_TRACE_TRUST_INCOMING=0``) stops a
+    caller's ``traceparent`` from deciding: see ``request_span``. ``max_file_bytes`` /
+    ``max_files`` / ``max_total_bytes`` bound the span files (None: ``SPECDEC_TRACE_*`` from the
+    environment, else ``Retention``'s defaults). Returns None when disabled (``enabled=False``
+    or ``SPECDEC_TRACING=0``); every other function here then does nothing.
     """
     global _STATE, _CONFIGURED
     with _LOCK:
@@ -209,13 +140,11 @@ def configure_tracing(
             max_file_bytes=max_file_bytes, max_files=max_files, max_total_bytes=max_total_bytes
         )
         _CONFIGURED = True
-        ids = _ReservableIds()
         service_name = os.environ.get("OTEL_SERVICE_NAME", "").strip() or service_name
         provider = TracerProvider(
             sampler=_sampler(sample_ratio),
             # Resource.create merges OTEL_RESOURCE_ATTRIBUTES (ours win on service.name)
             resource=Resource.create({"service.name": service_name}),
-            id_generator=ids,
             shutdown_on_exit=False,  # our own atexit hook flushes (and survives shutdown())
         )
         path = Path(directory) if directory is not None else default_trace_dir()
@@ -226,7 +155,7 @@ def configure_tracing(
             provider.add_span_processor(BatchSpanProcessor(otlp))
         for exporter in exporters:
             provider.add_span_processor(BatchSpanProcessor(exporter))
-        _STATE = _State(provider, ids, trust_incoming)
+        _STATE = _State(provider, trust_incoming)
         return provider
 
 
@@ -343,67 +272,19 @@ def _ns(seconds: float) -> int:
 
 
 class RequestTrace:
-    """The open request span of one request and the rounds recorded under it.
-
-    Between rounds (where a token waits) a round costs a few microseconds: its span id is
-    reserved and its statistics kept; the ``prefill`` / ``round`` spans are built when the
-    request's block ends, in one warm loop, before the request span ends.
-    """
+    """The request span of one request and the rounds recorded under it. ``record`` only
+    keeps a round's stats; the ``prefill`` / ``round`` spans are built when the request's
+    block ends, before the request span ends."""
 
     def __init__(self, span: trace.Span):
         self.span = span
-        self._context = trace.set_span_in_context(span)  # the rounds' parent
         self.stats: list[RoundStats] = []
-        # (span id, stats or None if the round failed, events, began ns, error, phases)
-        self._rounds: list[tuple] = []
-        self._pending: list[tuple[str, dict, int]] | None = None  # events of the round in progress
+        self._recorded_ns: list[int] = []  # when each round was recorded: its end, if it has no started_at
 
-    @property
-    def recording(self) -> bool:
-        return self.span.is_recording() and _STATE is not None
-
-    def rounds(self, steps: Iterable[T], *, phases: bool = False) -> Iterator[T]:
-        """Pass ``steps`` (``decode``'s Steps, ``Engine.stream``'s Events: anything with
-        ``.stats``) through, recording a span per round. During each round the round's
-        context is current, so ``inject()`` in a worker call parents the worker's span to it.
-        ``phases=True`` adds ``draft`` / ``verify`` child spans from the round's timings
-        (for a unit without worker actors)."""
-        if not self.recording:
-            yield from steps
-            return
-        iterator, ids = iter(steps), _STATE.ids
-        parent = self.span.get_span_context()
-        try:
-            while True:
-                span_id = ids.generate_span_id()
-                reserved = SpanContext(parent.trace_id, span_id, False, parent.trace_flags, parent.trace_state)
-                token = context_api.attach(trace.set_span_in_context(NonRecordingSpan(reserved)))
-                self._pending, began = [], time.time_ns()
-                try:
-                    step = next(iterator)
-                except StopIteration:
-                    return
-                except Exception as exc:
-                    self._rounds.append((span_id, None, self._pending, began, exc, False))
-                    raise
-                finally:
-                    context_api.detach(token)
-                self.stats.append(step.stats)
-                self._rounds.append((span_id, step.stats, self._pending, began, None, phases))
-                self._pending = None
-                yield step
-        finally:
-            self._pending = None
-            close = getattr(iterator, "close", None)
-            if close is not None:
-                close()
-
-    def event(self, name: str, attributes: Mapping[str, Any] | None = None) -> None:
-        """An event on the round in progress (when called during one) or on the request."""
-        if self._pending is not None:
-            self._pending.append((name, dict(attributes or {}), time.time_ns()))
-        elif self.span.is_recording():
-            self.span.add_event(name, dict(attributes or {}))
+    def record(self, stats: RoundStats) -> None:
+        """One finished round."""
+        self.stats.append(stats)
+        self._recorded_ns.append(time.time_ns())
 
     def finish(
         self,
@@ -442,39 +323,25 @@ class RequestTrace:
         self.span.set_attributes(attrs)
 
     def _emit_rounds(self) -> None:
-        """Build the recorded rounds' spans (explicit times from their RoundStats)."""
-        if not self.recording:
+        """A span per recorded round, with its draft / verify phases and policy events."""
+        if not (self.span.is_recording() and _STATE is not None):
             return
-        tracer, ids = _STATE.tracer, _STATE.ids
-        for span_id, stats, events, began, error, phases in self._rounds:
-            if stats is None:
-                name, attrs, start, end = "round", {}, began, time.time_ns()
-            else:
-                name = "prefill" if stats.mode == "prefill" else "round"
-                attrs = round_attributes(stats)
-                duration = _ns(stats.draft_s) + _ns(stats.verify_s)
-                # started_at is 0 in a RoundStats made without it: place the round by the clock
-                start = _ns(stats.started_at) if stats.started_at else (began or time.time_ns() - duration)
-                end = start + duration
-            span = ids.start_span_with_id(
-                tracer, span_id, name, context=self._context, attributes=attrs, start_time=start
-            )
-            for event_name, event_attrs, at in events:
-                span.add_event(event_name, event_attrs, timestamp=at)
-            if error is not None:
-                span.record_exception(error)
-                span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
-            if phases and stats is not None:
-                round_ctx = trace.set_span_in_context(span)
-                draft_end = start + _ns(stats.draft_s)
-                if stats.k:
-                    tracer.start_span("draft", round_ctx, start_time=start).end(draft_end)
-                tracer.start_span("verify", round_ctx, start_time=draft_end).end(end)
-            span.end(end_time=end)
-        self._rounds.clear()
-
-
-_CURRENT: ContextVar[RequestTrace | None] = ContextVar("specdec_request_trace", default=None)
+        tracer, parent = _STATE.tracer, trace.set_span_in_context(self.span)
+        for stats, recorded in zip(self.stats, self._recorded_ns):
+            draft, duration = _ns(stats.draft_s), _ns(stats.draft_s) + _ns(stats.verify_s)
+            # started_at is 0 in a RoundStats made without it: the round ended when recorded
+            start = _ns(stats.started_at) if stats.started_at else recorded - duration
+            name = "prefill" if stats.index == 0 or stats.mode == "prefill" else "round"
+            span = tracer.start_span(name, parent, attributes=round_attributes(stats), start_time=start)
+            for what in stats.events:  # "fallback", "probe:draft", ...
+                kind, _, mode = what.partition(":")
+                span.add_event(POLICY_EVENTS.get(kind, f"specdec.{kind}"),
+                               {"specdec.mode": mode} if mode else {}, timestamp=start)
+            phases = trace.set_span_in_context(span)
+            if stats.k:
+                tracer.start_span("draft", phases, start_time=start).end(start + draft)
+            tracer.start_span("verify", phases, start_time=start + draft).end(start + duration)
+            span.end(start + duration)
 
 
 @contextmanager
@@ -485,7 +352,8 @@ def request_span(
     attributes: Mapping[str, Any] | None = None,
     trust_incoming: bool | None = None,
 ) -> Iterator[RequestTrace]:
-    """Open the request's root span and make it current for the block. Its name is the GenAI
+    """The request's span for the block (started, not made current: the block may be an
+    async generator), ended with its rounds' spans as the block exits. Its name is the GenAI
     conventions' ``{gen_ai.operation.name} {gen_ai.request.model}`` from ``attributes`` unless
     ``name`` is given. An exception marks it failed, with ``error.type`` its class name. With
     a trusted ``carrier`` (``trust_incoming``; None: as ``configure_tracing`` said;
@@ -494,21 +362,22 @@ def request_span(
     by our own sampler, linked to the caller's span."""
     attributes = dict(attributes or {})
     parent, links = _request_parent(carrier, trust_incoming)
-    with _tracer().start_as_current_span(
+    span = _tracer().start_span(
         name or request_span_name(attributes), context=parent, kind=SpanKind.SERVER, attributes=attributes,
         links=links,
-    ) as span:
-        request = RequestTrace(span)
-        token = _CURRENT.set(request)
-        try:
-            yield request
-        except Exception as exc:
-            if span.is_recording():  # the SDK records the exception and the status as it leaves
-                span.set_attribute(ERROR_TYPE, type(exc).__qualname__)
-            raise
-        finally:
-            _CURRENT.reset(token)
-            request._emit_rounds()
+    )
+    request = RequestTrace(span)
+    try:
+        yield request
+    except Exception as exc:  # not BaseException: a cancelled or closed request did not fail
+        if span.is_recording():
+            span.set_attribute(ERROR_TYPE, type(exc).__qualname__)
+            span.record_exception(exc)
+            span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+        raise
+    finally:
+        request._emit_rounds()
+        span.end()
 
 
 def _request_parent(
@@ -532,40 +401,3 @@ def _trusts(trust_incoming: bool | None) -> bool:
     if _STATE.distrust_forced:
         return False
     return _STATE.trust_incoming if trust_incoming is None else trust_incoming
-
-
-def add_event(name: str, attributes: Mapping[str, Any] | None = None) -> None:
-    """An event for whatever is being traced here: the round in progress of the current
-    request, else the current span. For library code (the policy) that holds no span."""
-    request = _CURRENT.get()
-    if request is not None:
-        request.event(name, attributes)
-        return
-    span = trace.get_current_span()
-    if span.is_recording():
-        span.add_event(name, dict(attributes or {}))
-
-
-def add_policy_event(what: str, attributes: Mapping[str, Any] | None = None) -> None:
-    """``add_event`` for a ``SpeculationPolicy.events`` entry: "fallback", "probe:<mode>",
-    "resume:<mode>" or "switch:<mode>" becomes ``POLICY_EVENTS[kind]`` with ``specdec.mode``."""
-    kind, _, mode = what.partition(":")
-    attrs = {"specdec.mode": mode} if mode else {}
-    add_event(POLICY_EVENTS.get(kind, f"specdec.{kind}"), {**attrs, **(attributes or {})})
-
-
-# --- the workers ------------------------------------------------------------------------
-
-
-@contextmanager
-def worker_span(
-    name: str, carrier: Mapping[str, str] | None, attributes: Mapping[str, Any] | None = None
-) -> Iterator[trace.Span]:
-    """A span in a worker actor under the caller's round. No carrier, no span: a call
-    outside a traced request records nothing (yields a non-recording span)."""
-    parent = extract(carrier)
-    if not trace.get_current_span(parent).get_span_context().is_valid:
-        yield trace.INVALID_SPAN
-        return
-    with _tracer().start_as_current_span(name, context=parent, attributes=dict(attributes or {})) as span:
-        yield span

@@ -95,7 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ls.add_argument("--since", default=None, help="only the last 30m, 1h, 2d, ...")
     show = sub.add_parser("show", parents=[common], help="a waterfall of one request's rounds")
     show.add_argument("trace_id", help="a trace id or a unique prefix of one")
-    show.add_argument("--all", action="store_true", help="also the worker spans (draft / verify)")
+    show.add_argument("--all", action="store_true", help="also the draft / verify spans")
     show.add_argument("--width", type=int, default=60)
     show.add_argument("--html", type=Path, default=None, help="write a self-contained timeline page here")
     summary = sub.add_parser("summary", parents=[common], help="acceptance and latency distributions")

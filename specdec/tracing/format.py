@@ -7,10 +7,10 @@ Every traced process (``specdec.telemetry``) appends one span per line to
 ``$SPECDEC_HOME/traces/spans-<service>-<pid>.jsonl`` (``SPECDEC_HOME`` defaults to
 ``~/.cache/specdec``). Each line is an OTLP/JSON ``ExportTraceServiceRequest`` holding one span
 (``specdec.tracing.otlp``), so the files replay into an OpenTelemetry collector (its
-``otlpjsonfile`` receiver) as they are. The spans of one request come from several processes
-(router, workers). Files written before that (one flat record a line: ``trace_id``, ``span_id``,
-``parent_id``, ``name``, ``start_ns``, ...) still read back: the reader tells the two apart line
-by line.
+``otlpjsonfile`` receiver) as they are. The router writes all the spans of a request (older
+traces have draft / verify spans in the workers' files too). Files written before OTLP/JSON (one
+flat record a line: ``trace_id``, ``span_id``, ``parent_id``, ``name``, ``start_ns``, ...) still
+read back: the reader tells the two apart line by line.
 
 The request span is named as the GenAI semantic conventions say, ``{gen_ai.operation.name}
 {gen_ai.request.model}`` (``chat SmolLM2-135M-Instruct``); older files named it ``request``.

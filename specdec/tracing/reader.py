@@ -1,8 +1,9 @@
 """Reading the span files (``specdec.tracing.format``) back into traces, one per request.
 
-The spans of one request come from several processes (router, workers) and are grouped here by
-trace id. A line a killed process left half-written is skipped. Each line is read as what it is:
-an OTLP/JSON request (``resourceSpans``: what the writer writes now, and what a collector's file
+The spans of one request are grouped here by trace id, from however many files they are in (the
+router writes them all now; older traces have draft / verify spans in the workers' files). A
+line a killed process left half-written is skipped. Each line is read as what it is: an
+OTLP/JSON request (``resourceSpans``: what the writer writes now, and what a collector's file
 exporter writes, any number of spans a line) or a flat record (files from before OTLP/JSON).
 
 The reader takes every ``spans-*.jsonl`` file, each process's rotated files oldest first and
@@ -104,8 +105,8 @@ def _read_span_file(path: Path, since_ns: int | None) -> list[SpanRecord]:
 
 
 class Trace:
-    """The spans of one request (its request span, rounds and worker spans) and the
-    request's numbers: from the request span's final attributes, else from the rounds."""
+    """The spans of one request (its request span, rounds and their draft / verify spans) and
+    the request's numbers: from the request span's final attributes, else from the rounds."""
 
     def __init__(self, trace_id: str, spans: list[SpanRecord]):
         self.trace_id, self.spans = trace_id, sorted(spans, key=lambda s: s.start_ns)

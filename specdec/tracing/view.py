@@ -2,9 +2,9 @@
 self-contained HTML page (``specdec traces show ID --html FILE``).
 
 The page uses inline CSS and SVG only (no scripts, fonts or images fetched), so the file
-opens anywhere. A timeline of the request, its prefill and every round (draft then verify), the worker
-spans and the policy's events on one time axis; the tokens emitted over time; the accepted
-drafts of every round; and a table of the rounds. Hovering any mark shows its attributes.
+opens anywhere. A timeline of the request, its prefill and every round (draft then verify), the
+draft / verify spans and the policy's events on one time axis; the tokens emitted over time;
+the accepted drafts of every round; and a table of the rounds. Hovering any mark shows its attributes.
 """
 
 from __future__ import annotations
