@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-import specdec.runner as runner_mod
+import specdec.loading as runner_mod
 from specdec.batch.runner import BatchRunner
 from specdec.config import ModelConfig, SpeculationConfig
 from specdec.engine import draft_tokenizer, target_tokenizer

@@ -96,7 +96,7 @@ def test_eagle_in_a_batch_with_other_modes_and_auto(engine):
     [t.join(timeout=120) for t in threads]
     assert [got[j] for j in range(len(ids))] == plain
     policy = engine.loop._new_policy(engine.request(ids[0], max_tokens=1, mode="auto"))
-    assert set(policy.switch.drafters) == {"ngram", "eagle"}
+    assert set(policy.modes) == {"ngram", "eagle"}
 
 
 def test_sampled_eagle_has_the_target_distribution(engine, monkeypatch):

@@ -79,6 +79,36 @@ def _under(module: str, package: str) -> bool:
     return module == package or module.startswith(package + ".")
 
 
+# The library's layers, bottom up (docs/architecture.md): a module imports only from its own
+# layer or the ones below it.
+LAYERS = [
+    ("base", ["specdec", "specdec.paths", "specdec.sampling", "specdec.verify", "specdec.stats", "specdec.config",
+              "specdec.text", "specdec.plugins"]),
+    ("tracing", ["specdec.telemetry", "specdec.tracing"]),
+    ("models", ["specdec.models", "specdec.loading"]),
+    ("the batched pass", ["specdec.batch"]),
+    ("drafters", ["specdec.drafters"]),
+    ("engine", ["specdec.policy", "specdec.engine"]),
+    ("tools", ["specdec.demo", "specdec.bench", "specdec.cli", "specdec.tiny"]),
+]
+
+
+def _layer(module: str) -> int | None:
+    """The index of ``module``'s layer (the longest matching prefix), None outside the library."""
+    best = None
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if _under(module, prefix) and (best is None or len(prefix) > best[1]):
+                best = (i, len(prefix))
+    return None if best is None else best[0]
+
+
+def _upward(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Imports inside the library from a lower layer to a higher one."""
+    return sorted((m, t) for m, targets in graph.items() for t in targets
+                  if _layer(m) is not None and _layer(t) is not None and _layer(t) > _layer(m))
+
+
 def test_no_import_circle():
     assert _cycle(_graph()) is None, " -> ".join(_cycle(_graph()) or [])
 
@@ -100,6 +130,25 @@ def test_no_layer_imports_a_layer_above_it():
     assert not upward, upward
 
 
+def test_every_library_module_has_a_layer_and_imports_only_downward():
+    graph = _graph()
+    unplaced = [m for m in graph if _under(m, "specdec") and _layer(m) is None]
+    assert not unplaced, unplaced
+    assert not _upward(graph), _upward(graph)
+
+
+def test_no_library_module_is_imported_only_by_tests():
+    """Every module under specdec/ is imported by the project itself (its scripts included) or
+    is an entry point: the console script, or a module run with ``python -m``."""
+    graph, modules = _graph(), _modules()
+    used = {t for targets in graph.values() for t in targets} | {"specdec.cli"}  # [project.scripts]
+    for path in (ROOT / "scripts").glob("*.py"):
+        used |= _imports(path, f"scripts.{path.stem}", set(graph))
+    unused = [m for m, path in modules.items() if _under(m, "specdec") and m not in used
+              and path.name != "__init__.py" and '__name__ == "__main__"' not in path.read_text()]
+    assert not unused, unused
+
+
 def test_functions_fit_on_a_screen():
     long = []
     for name, path in _modules().items():
@@ -119,8 +168,12 @@ def test_the_checks_see_a_circle_and_an_upward_import():
     assert _cycle(graph) == ["specdec.a", "specdec.b", "specdec.a"]
     assert _cycle({"specdec.a": {"specdec.b"}, "specdec.b": set()}) is None
     known = set(_modules())
-    source = ROOT / "specdec" / "engine.py"
+    source = ROOT / "specdec" / "engine" / "__init__.py"
     assert "specdec.engine.loop" in _imports(source, "specdec.engine", known)
+    # a drafter importing the step loop runs up a layer; the engine importing a drafter does not
+    assert _upward({"specdec.drafters.model": {"specdec.engine.loop"}}) == [("specdec.drafters.model",
+                                                                           "specdec.engine.loop")]
+    assert _upward({"specdec.engine.loop": {"specdec.drafters.model"}}) == []
 
 
 def test_no_file_cites_notes_outside_the_repo():
