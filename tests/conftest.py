@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from specdec.tiny import build_tiny_pair
+from specdec.bench.tiny import build_tiny_pair
 
 # Tiny models run fastest on one thread, and Ray workers in the same tests need the other core.
 torch.set_num_threads(1)

@@ -26,7 +26,7 @@ from specdec.engine import Engine
 from specdec.runner import ModelRunner
 from specdec.loading import load_model
 from specdec.sampling import SamplingParams, logits_to_probs, make_generator
-from specdec.tiny import synthetic_corpus
+from specdec.bench.tiny import synthetic_corpus
 from specdec.verify import verify_greedy, verify_sampled
 from three_tokens import batched_test_and_control
 

@@ -12,7 +12,7 @@ from specdec.engine import Engine
 from specdec.runner import ModelRunner
 from specdec.loading import load_model, load_tokenizer
 from specdec.sampling import SamplingParams, logits_to_probs
-from specdec.tiny import synthetic_corpus
+from specdec.bench.tiny import synthetic_corpus
 from three_tokens import three_token_pvalue
 
 PROMPTS = synthetic_corpus(n_sentences=20, seed=99)  # 20 prompts the models never trained on
@@ -125,7 +125,7 @@ def test_engine_text_stop_and_statistics(pair):
 
 
 def test_a_draft_with_another_vocabulary_is_refused(llama_pair, gpt2_pair, tmp_path):
-    from specdec.tiny import build_tokenizer
+    from specdec.bench.tiny import build_tokenizer
 
     other = tmp_path / "other"
     model = load_model(str(gpt2_pair["draft"]))

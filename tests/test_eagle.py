@@ -19,7 +19,7 @@ from specdec.demo.teacher import teacher_code
 from specdec.engine import Engine
 from specdec.models.eagle import EagleHead, eagle_config, load_eagle_head, save_eagle_head
 from specdec.loading import load_model, load_tokenizer
-from specdec.tiny import synthetic_corpus
+from specdec.bench.tiny import synthetic_corpus
 from three_tokens import batched_test_and_control
 
 PROMPTS = [" ".join(p.split()[:4]) for p in synthetic_corpus(n_sentences=20, seed=99)]

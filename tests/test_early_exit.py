@@ -18,7 +18,7 @@ from specdec.models.exit_adapter import load_exit_adapter, save_exit_adapter
 from specdec.runner import ModelRunner
 from specdec.loading import load_model, load_tokenizer
 from specdec.sampling import SamplingParams
-from specdec.tiny import synthetic_corpus
+from specdec.bench.tiny import synthetic_corpus
 from three_tokens import three_token_pvalue
 
 PROMPTS = [" ".join(p.split()[:4]) for p in synthetic_corpus(n_sentences=20, seed=99)]

@@ -89,7 +89,7 @@ LAYERS = [
     ("the batched pass", ["specdec.batch"]),
     ("drafters", ["specdec.drafters"]),
     ("engine", ["specdec.policy", "specdec.engine"]),
-    ("tools", ["specdec.demo", "specdec.bench", "specdec.cli", "specdec.tiny"]),
+    ("tools", ["specdec.demo", "specdec.bench", "specdec.cli"]),
 ]
 
 

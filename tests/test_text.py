@@ -84,7 +84,7 @@ def test_incremental_text_equals_decoding_the_whole_output():
     string; it decodes each token once (no whole-output decode per round)."""
     import random
 
-    from specdec.tiny import build_tokenizer, synthetic_corpus
+    from specdec.bench.tiny import build_tokenizer, synthetic_corpus
 
     tok = build_tokenizer(synthetic_corpus(n_sentences=50, seed=1))
     rng = random.Random(0)

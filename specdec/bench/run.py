@@ -51,7 +51,7 @@ WARMUP_TOKENS = 8
 
 def tiny_pair(arch: str = "llama") -> dict[str, Path]:
     """The tiny pair under ``$SPECDEC_HOME/tiny/{arch}``: built in a temp dir, renamed into place."""
-    from specdec.tiny import build_tiny_pair
+    from specdec.bench.tiny import build_tiny_pair
 
     root = specdec_home() / "tiny" / arch
     paths = {"target": root / "target", "draft": root / "draft"}
