@@ -8,10 +8,11 @@ from typing import Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from specdec import __version__
+from specdec.hardware import resolve_dtype
 
 Mode = Literal["auto", "draft", "ngram", "early_exit", "eagle", "off"]  # what a request or a config may ask for
 MODES: tuple[str, ...] = get_args(Mode)
-DType = Literal["float32", "bfloat16", "float16"]
+DType = Literal["auto", "float32", "bfloat16", "float16"]  # auto: specdec.hardware.resolve_dtype
 
 
 class _Strict(BaseModel):
@@ -41,10 +42,12 @@ class ModelConfig(_Strict):
         None, ge=16, description="Cap the context (prompt + output) below the model's own; None: the model's."
     )
     dtype: DType = Field(
-        "bfloat16",
-        description="Target dtype. bf16 is 1.45x faster than fp32 on these CPUs, but a (k+1)-token "
-        "pass and single steps round differently: greedy output can differ at near-ties. "
-        "float32 makes speculative greedy output token-identical to plain decoding.",
+        "auto",
+        description="Target dtype. auto: bfloat16 on a GPU and on a CPU with native bf16 instructions "
+        "(AVX-512 BF16, AMX), where a (k+1)-token verify pass costs about one step; float32 on other CPUs, "
+        "where bf16 is emulated and verifying k drafts costs nearly k steps. bf16 rounds a (k+1)-token "
+        "pass and single steps differently: greedy output can differ at near-ties; float32 makes "
+        "speculative greedy output token-identical to plain decoding.",
     )
     draft_dtype: DType = Field("float32", description="Draft dtype (small drafts are fast in fp32).")
     device: Literal["auto", "cpu", "cuda"] = Field(
@@ -87,7 +90,7 @@ class ModelConfig(_Strict):
         """OpenAI's ``system_fingerprint``: the build and what changes greedy output (the dtype:
         bf16 rounds differently at near-ties), plus a hash of the whole model configuration."""
         digest = hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:10]
-        return f"specdec-{__version__}-{self.dtype}-{digest}"
+        return f"specdec-{__version__}-{resolve_dtype(self.dtype, self.device)}-{digest}"
 
 
 # vLLM's speculative_config names, accepted so that a vLLM user can move a config over.

@@ -7,22 +7,18 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from specdec.hardware import resolve_device, resolve_dtype
 from specdec.models.draft import load_draft
 from specdec.models.files import DRAFT_MARKER
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_device(device: str = "auto") -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
-
-
 def load_model(name_or_path: str, dtype: str = "float32", device: str = "cpu", *, revision: str | None = None,
                trust_remote_code: bool = False) -> torch.nn.Module:
-    """Load a causal LM from a local path or a hub id (at ``revision``), in eval mode, on ``device``."""
-    torch_dtype = DTYPES[dtype]
+    """Load a causal LM from a local path or a hub id (at ``revision``), in eval mode, on ``device``,
+    in ``dtype`` (``auto``: the fastest there, ``specdec.hardware.resolve_dtype``)."""
+    torch_dtype = DTYPES[resolve_dtype(dtype, device)]
     # A project-built draft (reduced output vocabulary) carries this marker and its own loader.
     if (Path(name_or_path) / DRAFT_MARKER).exists():
         model = load_draft(name_or_path, dtype=torch_dtype)

@@ -7,6 +7,7 @@ import pytest
 from pydantic import ValidationError
 
 import specdec.loading as runner_mod
+from specdec.hardware import resolve_dtype
 from specdec.batch.runner import BatchRunner
 from specdec.config import ModelConfig, SpeculationConfig
 from specdec.engine import draft_tokenizer, target_tokenizer
@@ -61,9 +62,29 @@ def test_aliases_and_the_fingerprint():
     assert ModelConfig(target="t", served_model_name="a").names == ["a"]
     models = ModelConfig(target="t", served_model_name=["a", "b"])
     assert models.names == ["a", "b"] and models.name == "a"
-    bf16, fp32 = models.fingerprint, models.model_copy(update={"dtype": "float32"}).fingerprint
+    bf16 = models.model_copy(update={"dtype": "bfloat16"}).fingerprint
+    fp32 = models.model_copy(update={"dtype": "float32"}).fingerprint
     assert bf16 != fp32 and "bfloat16" in bf16 and "float32" in fp32
+    assert resolve_dtype("auto", "cpu") in models.fingerprint  # what auto chose, not "auto"
     assert models.fingerprint == ModelConfig(target="t", served_model_name=["a", "b"]).fingerprint
+
+
+def test_dtype_auto_takes_bf16_only_where_it_is_native(monkeypatch):
+    import specdec.hardware as hardware
+
+    assert ModelConfig(target="t").dtype == "auto"
+    monkeypatch.setattr(hardware.torch.cuda, "is_available", lambda: False)
+    for flags, want in [({"avx2", "avx512f", "avx512_bf16"}, "bfloat16"), ({"avx2", "amx_bf16"}, "bfloat16"),
+                        ({"avx2", "avx512f"}, "float32"), (set(), "float32")]:
+        monkeypatch.setattr(hardware, "cpu_flags", lambda flags=flags: frozenset(flags))
+        assert resolve_dtype("auto", "auto") == want, flags
+        assert resolve_dtype("float16", "cpu") == "float16"  # an explicit dtype is kept
+    monkeypatch.setattr(hardware.torch.cuda, "is_bf16_supported", lambda: True)
+    assert resolve_dtype("auto", "cuda") == "bfloat16"
+    # this machine's answer agrees with its CPU flags
+    monkeypatch.undo()
+    native = any(f in hardware.cpu_flags() for f in hardware.BF16_CPU_FLAGS)
+    assert resolve_dtype("auto", "cpu") == ("bfloat16" if native else "float32")
 
 
 def test_units_of_one_application_have_distinct_names():
