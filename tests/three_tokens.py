@@ -1,8 +1,9 @@
-"""The end-to-end distribution check shared by the drafter tests.
+"""The end-to-end distribution check shared by the drafter tests, on the batched step loop.
 
 With top_k=3 the first three sampled tokens have 27 possible continuations whose exact
-probabilities the target gives directly; speculative samples are compared with them by a
-chi-square goodness-of-fit test (cells with expectation < 5 pooled).
+probabilities the target gives directly; speculative samples, drawn through the engine's step
+loop 16 rows at a time, are compared with them by a chi-square goodness-of-fit test (cells
+with expectation < 5 pooled).
 """
 
 import itertools
@@ -10,7 +11,6 @@ import itertools
 import torch
 from scipy.stats import chisquare
 
-from specdec.decoding import DecodeRequest, decode
 from specdec.sampling import SamplingParams, logits_to_probs
 
 PARAMS = SamplingParams(temperature=1.0, top_k=3)
@@ -30,24 +30,6 @@ def exact_distribution(model, ids: list[int]) -> tuple[dict, dict]:
                 seq.append(token)
             exact[cell], cell_of[tuple(seq[len(ids) :])] = prob, cell
     return exact, cell_of
-
-
-def three_token_pvalue(model, ids: list[int], target, drafter, *, n: int, k: int) -> tuple[float, int]:
-    """(chi-square p-value of ``n`` seeded speculative samples, draft tokens proposed)."""
-    exact, cell_of = exact_distribution(model, ids)
-    counts = dict.fromkeys(CELLS, 0)
-    drafted = 0
-    for seed in range(n):
-        params = SamplingParams(PARAMS.temperature, top_k=PARAMS.top_k, seed=seed)
-        steps = list(decode(target, drafter, DecodeRequest(ids, 3, params=params, seq_id=str(seed)), k=k))
-        counts[cell_of[tuple(t for s in steps for t in s.tokens)]] += 1
-        drafted += sum(s.stats.drafted for s in steps)
-    obs, exp = [counts[c] for c in CELLS], [exact[c] * n for c in CELLS]
-    small = [i for i, e in enumerate(exp) if e < 5]
-    big = [i for i in range(len(CELLS)) if i not in small]
-    obs = [obs[i] for i in big] + [sum(obs[i] for i in small)]
-    exp = [exp[i] for i in big] + [sum(exp[i] for i in small)]
-    return float(chisquare(obs, exp).pvalue), drafted
 
 
 def batched_cells(engine, ids: list[int], n: int, mode: str, k: int = 2) -> tuple[dict, dict, int]:
