@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-import specdec.runner as runner_mod
+import specdec.loading as loading_mod
 from specdec.batch.runner import BatchRunner
 from specdec.config import ModelConfig, SpeculationConfig
 from specdec.engine import draft_tokenizer, target_tokenizer
@@ -20,8 +20,8 @@ def test_revision_and_remote_code_reach_from_pretrained(monkeypatch, llama_pair)
         seen.append((name, kwargs))
         raise RuntimeError("stop here")
 
-    monkeypatch.setattr(runner_mod.AutoModelForCausalLM, "from_pretrained", spy)
-    monkeypatch.setattr(runner_mod.AutoTokenizer, "from_pretrained", spy)
+    monkeypatch.setattr(loading_mod.AutoModelForCausalLM, "from_pretrained", spy)
+    monkeypatch.setattr(loading_mod.AutoTokenizer, "from_pretrained", spy)
     with pytest.raises(RuntimeError):
         load_model("org/model", revision="abc123")
     assert seen[-1][1]["revision"] == "abc123" and seen[-1][1]["trust_remote_code"] is False
