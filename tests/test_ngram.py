@@ -1,3 +1,4 @@
+from specdec.drafters.base import DraftRow
 from specdec.drafters.ngram import NgramDrafter, prompt_lookup
 from specdec.sampling import SamplingParams
 
@@ -18,7 +19,12 @@ def test_longest_ngram_wins_and_latest_match_is_used():
 def test_no_match_is_an_empty_proposal_and_k_caps_length():
     assert prompt_lookup([1, 2, 3, 4], 3) == []
     assert prompt_lookup([1], 3) == []
-    drafter = NgramDrafter(min_ngram=1, max_ngram=3)
-    p = drafter.propose("s", [4, 5, 6, 7, 8, 4], 2, SamplingParams(), 0)
-    assert p.tokens == [5, 6] and p.probs is None
-    assert drafter.propose("s", [1, 2, 3], 4, SamplingParams(), 0).tokens == []
+    rows = [DraftRow("a", [4, 5, 6, 7, 8, 4], 2, SamplingParams(), 0),
+            DraftRow("b", [1, 2, 3], 4, SamplingParams(), 0),
+            DraftRow("c", [4, 5, 6, 7, 8, 4], 0, SamplingParams(), 0),  # k = 0: no lookup at all
+            DraftRow("d", [0, 2, 9, 1, 2, 3, 8, 3, 6, 2, 3], 3, SamplingParams(1.0), 0)]
+    a, b, c, d = NgramDrafter(1, 3).propose(rows).proposals
+    assert a.tokens == [5, 6] and a.probs is None  # a point mass, also for sampled rows
+    assert b.tokens == [] and c.tokens == []
+    assert d.tokens == [8, 3, 6] and d.probs is None
+    assert [p.tokens for p in NgramDrafter(1, 1).propose(rows[3:]).proposals] == [[6, 2, 3]]  # the rows' min/max n apply

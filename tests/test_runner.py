@@ -1,9 +1,14 @@
+"""The batched runner's cache: reconcile with the caller's ids, roll back, keep sequences apart.
+
+Every logit is checked against a plain transformers forward over the full ids (no cache)."""
+
 import pytest
 import torch
 
-from specdec.batch.runner import common_prefix_len
-from specdec.runner import ModelRunner
+from specdec.batch.runner import BatchRow, BatchRunner, common_prefix_len
 from specdec.loading import load_model
+
+CAP = 64  # pool rows per sequence
 
 
 @pytest.fixture(scope="module", params=["llama", "gpt2"])
@@ -17,48 +22,83 @@ def full_logits(model, ids):
         return model(input_ids=torch.tensor([ids])).logits[0].float()
 
 
+def row(key, ids, num_logits=1, slot=0):
+    return BatchRow(key, ids, num_logits, 1 + CAP * slot, CAP)
+
+
+def one(runner, key, ids, num_logits=1, slot=0):
+    return runner.forward([row(key, ids, num_logits, slot)])[0]
+
+
 def test_prefill_speculate_reject_continue_matches_plain(model):
     """Rollback: rejected drafts leave no trace in the cache (docs/architecture.md: rollback)."""
-    runner = ModelRunner(model)
+    runner = BatchRunner(model, capacity_tokens=4 * CAP)
     prompt = [5, 17, 42, 8, 99]
-    runner.forward("s", prompt, 1)  # prefill
+    one(runner, "s", prompt)  # prefill
     drafts = [7, 7, 7]
-    scored = runner.forward("s", prompt + drafts, len(drafts) + 1)  # speculate k=3
+    scored = one(runner, "s", prompt + drafts, len(drafts) + 1)  # speculate k=3
     assert torch.allclose(scored, full_logits(model, prompt + drafts)[-4:], atol=1e-5)
-    runner.rollback("s", len(prompt) + 1)  # reject after the first draft
-    assert len(runner._seqs["s"].ids) == len(prompt) + 1
+    runner.truncate("s", len(prompt) + 1)  # reject after the first draft
+    assert runner.cached_ids("s") == prompt + [7]
     cont = prompt + [7, 3, 11]
-    step = runner.forward("s", cont, 1)  # continue with different tokens
+    step = one(runner, "s", cont)  # continue with different tokens
+    assert runner.last_fed == 2  # only the new tokens were fed: the kept prefix stayed
     assert torch.allclose(step[0], full_logits(model, cont)[-1], atol=1e-5)
-    # And the cache now equals a fresh prefill of the same tokens, position by position.
-    fresh = ModelRunner(model)
-    fresh.forward("f", cont, 1)
-    a, b = runner._seqs["s"].cache, fresh._seqs["f"].cache
-    for la, lb in zip(a.layers, b.layers):
-        assert torch.allclose(la.keys, lb.keys, atol=1e-5)
-        assert torch.allclose(la.values, lb.values, atol=1e-5)
+    # And the pool now holds what a fresh prefill of the same tokens writes, position by
+    # position, every layer (the fresh one in another runner, at another place in its pool).
+    fresh = BatchRunner(model, capacity_tokens=4 * CAP)
+    one(fresh, "f", cont, slot=2)
+    a, b = slice(1, 1 + len(cont)), slice(1 + 2 * CAP, 1 + 2 * CAP + len(cont))
+    for la, lb in zip(runner.cache.keys + runner.cache.values, fresh.cache.keys + fresh.cache.values):
+        assert torch.allclose(la[:, a], lb[:, b], atol=1e-5)
 
 
 def test_reconcile_keeps_common_prefix_and_recomputes_divergence(model):
-    runner = ModelRunner(model)
-    runner.forward("s", [1, 2, 3, 4, 5, 6], 1)
+    runner = BatchRunner(model, capacity_tokens=CAP)
+    one(runner, "s", [1, 2, 3, 4, 5, 6])
     other = [1, 2, 3, 9, 9]  # diverges at position 3: a failover or a different branch
-    out = runner.forward("s", other, 2)
-    assert runner._seqs["s"].ids == other
+    out = one(runner, "s", other, 2)
+    assert runner.cached_ids("s") == other and runner.last_fed == 2  # [1, 2, 3] kept
     assert torch.allclose(out, full_logits(model, other)[-2:], atol=1e-5)
     # Asking for logits of already-cached positions recomputes them.
-    again = runner.forward("s", other, 3)
+    again = one(runner, "s", other, 3)
+    assert runner.last_fed == 3 and runner.cached_ids("s") == other
     assert torch.allclose(again, full_logits(model, other)[-3:], atol=1e-5)
+    # Nothing new and no logits asked for: nothing to feed.
+    assert runner.forward([row("s", other, 0)])[0].shape[0] == 0 and runner.cached_ids("s") == other
 
 
-def test_sequences_are_independent_and_lru_evicted(model):
-    runner = ModelRunner(model, max_sequences=2)
-    runner.forward("a", [1, 2, 3], 1)
-    runner.forward("b", [4, 5], 1)
-    runner.forward("c", [6], 1)
-    assert "a" not in runner._seqs and len(runner._seqs["b"].ids) == 2
-    # An evicted sequence is simply re-prefilled from the ids the caller owns.
-    assert torch.allclose(runner.forward("a", [1, 2, 3], 1)[0], full_logits(model, [1, 2, 3])[-1], atol=1e-5)
+def test_sequences_are_independent_and_release_frees(model):
+    runner = BatchRunner(model, capacity_tokens=3 * CAP)
+    seqs = {"a": [1, 2, 3], "b": [4, 5], "c": [6]}
+    slots = {"a": 0, "b": 1, "c": 2}
+    outs = runner.forward([row(k, ids, len(ids), slots[k]) for k, ids in seqs.items()])  # one pass, ragged rows
+    for (key, ids), out in zip(seqs.items(), outs):
+        assert torch.allclose(out, full_logits(model, ids), atol=1e-5), key
+    assert runner.keys() == {"a", "b", "c"}
+    # Rolling one back and sending it elsewhere leaves the others as they were.
+    runner.truncate("a", 1)
+    one(runner, "a", [1, 8, 8, 8], slot=0)
+    for key in ("b", "c"):
+        ids = seqs[key] + [9]
+        assert torch.allclose(one(runner, key, ids, slot=slots[key])[0], full_logits(model, ids)[-1], atol=1e-5)
+        assert runner.last_fed == 1
+    # A released sequence is forgotten (its range is the allocator's to hand out again): the
+    # same key in the same range comes back as a fresh prefill of the ids the caller owns.
+    runner.release("a")
+    assert "a" not in runner and runner.cached_ids("a") == [] and runner.keys() == {"b", "c"}
+    assert torch.allclose(one(runner, "a", [1, 2, 3], slot=0)[0], full_logits(model, [1, 2, 3])[-1], atol=1e-5)
+    assert runner.last_fed == 3  # all of it (held, it would have kept its first token)
+    b = seqs["b"] + [9, 10]
+    assert torch.allclose(one(runner, "b", b, slot=1)[0], full_logits(model, b)[-1], atol=1e-5)
+
+
+def test_a_sequence_outside_its_range_is_refused(model):
+    runner = BatchRunner(model, capacity_tokens=CAP)
+    with pytest.raises(ValueError, match="reserved"):
+        runner.forward([BatchRow("s", list(range(10)), 1, 1, 8)])
+    with pytest.raises(ValueError, match="outside the pool"):
+        runner.forward([BatchRow("s", [1, 2], 1, CAP - 2, 8)])
 
 
 def test_common_prefix_len():

@@ -17,10 +17,8 @@ from ray import serve
 from deployments.app import build_app
 from deployments.lint import lint_serve_config
 from specdec.tracing.reader import load_traces
-from specdec.decoding import DecodeRequest, LocalTarget, decode
 from specdec.demo.eagle import EagleTrainConfig, init_eagle_head
 from specdec.models.eagle import save_eagle_head
-from specdec.runner import ModelRunner
 from specdec.loading import load_model, load_tokenizer
 
 PORT = 8123
@@ -67,16 +65,27 @@ def server(llama_pair, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(server):
-    """Plain greedy decoding of the target, in process: what every mode must return."""
+def greedy(server):
+    """``greedy(prompt, n)``: plain greedy decoding of the target by transformers, in process,
+    ``n`` tokens (no EOS): an independent reference for what the server returns."""
     tok = load_tokenizer(str(server["target"]))
-    target = LocalTarget(ModelRunner(load_model(str(server["target"]))))
-    out = {}
-    for prompt in PROMPTS:
+    model = load_model(str(server["target"]))
+
+    def run(prompt: str, n: int) -> list[int]:
         ids = tok(prompt)["input_ids"]
-        steps = decode(target, None, DecodeRequest(ids, 32, seq_id=prompt))
-        out[prompt] = [t for s in steps for t in s.tokens]
-    return out
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=n, eos_token_id=None,
+                                 pad_token_id=0)[0, len(ids):].tolist()
+        assert len(out) == n
+        return out
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def reference(greedy):
+    """Plain greedy decoding of the target, in process: what every mode must return."""
+    return {prompt: greedy(prompt, 32) for prompt in PROMPTS}
 
 
 def completion(colocation, **body):
@@ -216,14 +225,11 @@ def test_serve_config_is_clean_and_the_lint_catches_silent_keys(tmp_path):
     assert any("num_replicaz" in p for p in problems) and any("mdoe" in p for p in problems)
 
 
-def test_draft_worker_killed_mid_stream_the_stream_completes_unchanged(server, reference):
+def test_draft_worker_killed_mid_stream_the_stream_completes_unchanged(server, greedy):
     router = serve.get_deployment_handle("SpecRouter", app_name="actors")
     draft_name = router.info.remote().result()["worker_names"]["draft"]
-    tok = load_tokenizer(str(server["target"]))
     prompt = PROMPTS[0]
-    ids = tok(prompt)["input_ids"]
-    target = LocalTarget(ModelRunner(load_model(str(server["target"]))))
-    expected = [t for s in decode(target, None, DecodeRequest(ids, 300)) for t in s.tokens]
+    expected = greedy(prompt, 300)
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 300, "temperature": 0, "stream": True,
             "return_token_ids": True, "speculation": {"mode": "draft", "num_speculative_tokens": 3}}
     tokens, killed = [], False
@@ -394,16 +400,13 @@ def test_two_requests_with_one_x_request_id_are_isolated(server, solo):
         assert tokens == solo[prompt]
 
 
-def test_target_worker_killed_mid_stream_the_stream_resumes_token_identical(server, solo):
+def test_target_worker_killed_mid_stream_the_stream_resumes_token_identical(server, solo, greedy):
     """The target worker dies mid-stream: Ray restarts it, the step is sent again with every
     row's ids, the new worker re-prefills, and the stream completes as if nothing happened."""
     router = serve.get_deployment_handle("SpecRouter", app_name="actors")
     target_name = router.info.remote().result()["worker_names"]["target"]
-    tok = load_tokenizer(str(server["target"]))
     prompt = BATCH_PROMPTS[1]
-    ids = tok(prompt)["input_ids"]
-    target = LocalTarget(ModelRunner(load_model(str(server["target"]))))
-    expected = [t for s in decode(target, None, DecodeRequest(ids, 200)) for t in s.tokens]
+    expected = greedy(prompt, 200)
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 200, "temperature": 0, "stream": True,
             "return_token_ids": True, "ignore_eos": True, "speculation": {"mode": "draft", "num_speculative_tokens": 3}}
     tokens, killed_at, resumed_after = [], None, None

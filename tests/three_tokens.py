@@ -1,8 +1,9 @@
-"""The end-to-end distribution check shared by the drafter tests.
+"""The end-to-end distribution check shared by the drafter tests, on the batched step loop.
 
 With top_k=3 the first three sampled tokens have 27 possible continuations whose exact
-probabilities the target gives directly; speculative samples are compared with them by a
-chi-square goodness-of-fit test (cells with expectation < 5 pooled).
+probabilities the target gives directly; speculative samples, drawn through the engine's step
+loop 16 rows at a time, are compared with them by a chi-square goodness-of-fit test (cells
+with expectation < 5 pooled).
 """
 
 import itertools
@@ -59,18 +60,20 @@ def batched_pvalue(exact: dict, counts: dict, n: int) -> float:
     return float(chisquare(obs, exp).pvalue)
 
 
-def batched_test_and_control(engine, ids: list[int], n: int, mode: str, monkeypatch) -> tuple[dict, dict]:
-    """The batched chi-square run of ``mode``, then its negative control: a verifier that
-    accepts every draft (its output is the drafter's distribution). Each as ``{"p": p-value,
-    "drafted": draft tokens, "impossible": continuations outside the target's top 3}``; ``p``
-    is None when there are impossible continuations (they already refute the distribution)."""
+def batched_result(engine, ids: list[int], n: int, mode: str, k: int = 2) -> dict:
+    """One batched chi-square run of ``mode``: ``{"p": p-value, "drafted": draft tokens,
+    "impossible": continuations outside the target's top 3}``; ``p`` is None when there are
+    impossible continuations (they already refute the distribution)."""
+    exact, counts, drafted = batched_cells(engine, ids, n, mode, k)
+    p = None if counts["impossible"] else batched_pvalue(exact, counts, n)
+    return {"p": p, "drafted": drafted, "impossible": counts["impossible"]}
+
+
+def batched_test_and_control(engine, ids: list[int], n: int, mode: str, monkeypatch, k: int = 2) -> tuple[dict, dict]:
+    """The batched chi-square run of ``mode`` (``batched_result``), then its negative control:
+    a verifier that accepts every draft (its output is the drafter's distribution)."""
     import specdec.batch.verify as batch_verify
 
-    def run() -> dict:
-        exact, counts, drafted = batched_cells(engine, ids, n, mode)
-        p = None if counts["impossible"] else batched_pvalue(exact, counts, n)
-        return {"p": p, "drafted": drafted, "impossible": counts["impossible"]}
-
-    honest = run()
+    honest = batched_result(engine, ids, n, mode, k)
     monkeypatch.setattr(batch_verify, "acceptance_probs", lambda x, q, p: torch.ones(len(x)))
-    return honest, run()
+    return honest, batched_result(engine, ids, n, mode, k)

@@ -1,7 +1,7 @@
 """A model runner for many sequences at once: one forward per step over every row's new tokens.
 
-The caller owns the truth (each sequence's token ids), the runner owns the cache, as in
-``specdec.runner.ModelRunner``: every row of a step is reconciled with the ids it is given
+The caller owns the truth (each sequence's token ids), the runner owns the cache: every row
+of a step is reconciled with the ids it is given
 (keep the longest common prefix, roll back the rest, feed what is missing). Rejection
 rollback, a restarted worker and a re-prefill are one code path. Rows are ragged: a prefill
 chunk, a plain row (1 token) and a speculative row (``k + 1`` tokens) run in the same pass.

@@ -1,10 +1,11 @@
 """Measured costs of the pair: the draft/target step ratio ``c`` and the verify cost ``v(k)``.
 
-Timed directly on the models (through ``ModelRunner``, the same forward and KV cache the
-loop uses, outside the loop): after prefilling a real prompt, a 1-token forward with the
-cache is one *step*; a ``(k + 1)``-token forward is a verify pass, reported relative to a
-step. Every pass is cropped back to the prompt, so all see the same context length, and
-the kinds are interleaved so machine noise hits them alike; medians over ``reps``.
+Timed directly on the models (through ``BatchRunner``, the same forward, token pool and
+attention the step loop uses, outside the loop, one row per pass): after prefilling a real
+prompt, a 1-token forward with the cache is one *step*; a ``(k + 1)``-token forward is a
+verify pass, reported relative to a step. Every pass is rolled back to the prompt, so all see
+the same context length, and the kinds are interleaved so machine noise hits them alike;
+medians over ``reps``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from specdec.runner import ModelRunner
+from specdec.batch.runner import BatchRow, BatchRunner
 
 
 @dataclass
@@ -43,12 +44,16 @@ class Costs:
         }
 
 
-def _timed_pass(runner: ModelRunner, context: list[int], extra: list[int]) -> float:
-    """Time one forward of ``extra`` on top of a cached ``context``, then crop back."""
+KEY = "cost"
+
+
+def _timed_pass(runner: BatchRunner, context: list[int], extra: list[int]) -> float:
+    """Time one forward of ``extra`` on top of a cached ``context``, then roll back."""
+    row = BatchRow(KEY, context + extra, len(extra), 1, runner.capacity)
     t0 = time.perf_counter()
-    runner.forward("cost", context + extra, len(extra))
+    runner.forward([row])
     elapsed = time.perf_counter() - t0
-    runner.rollback("cost", len(context))
+    runner.truncate(KEY, len(context))
     return elapsed
 
 
@@ -59,12 +64,14 @@ def measure_costs(
     if len(context) < 2:
         raise ValueError("cost measurement needs a context of at least 2 tokens")
     ks = sorted({k for k in ks if k >= 1})
-    target = ModelRunner(target_model)
-    draft = ModelRunner(draft_model) if draft_model is not None else None
     extra = (context * (max(ks, default=1) // len(context) + 2))[: max(ks, default=0) + 1]
-    target.forward("cost", context, 1)  # prefill
-    if draft is not None:
-        draft.forward("cost", context, 1)
+    # A pool of its own per model, just large enough for the one sequence timed here.
+    size = len(context) + len(extra)
+    target = BatchRunner(target_model, capacity_tokens=size)
+    draft = BatchRunner(draft_model, capacity_tokens=size) if draft_model is not None else None
+    for runner in (target, draft):  # prefill
+        if runner is not None:
+            runner.forward([BatchRow(KEY, context, 1, 1, size)])
     times: dict[str, list[float]] = {"target": [], "draft": [], **{f"v{k}": [] for k in ks}}
     try:
         for rep in range(warmup + reps):
@@ -77,9 +84,9 @@ def measure_costs(
                 for key, t in sample.items():
                     times[key].append(t)
     finally:
-        target.release("cost")
+        target.release(KEY)
         if draft is not None:
-            draft.release("cost")
+            draft.release(KEY)
     target_step = statistics.median(times["target"])
     return Costs(
         context_tokens=len(context),

@@ -16,15 +16,16 @@ import json
 import torch
 
 from specdec.engine import Engine
-from specdec.runner import ModelRunner
 
 NEAR_TIE = 0.25  # logits: two bf16 ulps at the magnitudes (16-32) an LM head produces
 
 
 def top2_gap(engine: Engine, ids: list[int]) -> float:
     """The gap between the target's two best logits for the token after ``ids``."""
-    # A one-sequence runner on the engine's own target model: the same weights, its own cache.
-    logits = ModelRunner(engine.target_model).forward("divergence-probe", ids, 1)[0]
+    # A plain forward of the engine's own target model over the full ids (no cache).
+    model = engine.target_model
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([ids], device=model.device), logits_to_keep=1).logits[0, -1].float()
     top = torch.topk(logits, 2).values
     return float(top[0] - top[1])
 

@@ -291,6 +291,9 @@ class StepLoop:
         plan = self._plan(lives)
         plan, loop_costs = self._draft_in_loop(plan)
         plan, result, errors = self._verify(plan)
+        errors = {**errors, **result.draft_errors}
+        for key in result.draft_errors:
+            by_key[key].draft_retry_at = len(by_key[key].rounds) + DRAFT_RETRY_ROUNDS
         self._observe_costs(plan, result, loop_costs)
         costs = {**loop_costs, **result.draft_costs}
         emitting = [r for r in plan.rows if r.emits]

@@ -12,6 +12,7 @@ unit's process (``in_process``) or in the TargetWorker (``actors``), one call pe
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -24,6 +25,8 @@ from specdec.drafters.base import BatchDrafter, Drafted, DraftRow, Proposal
 from specdec.engine.plan import Row, StepPlan
 from specdec.verify import Verdict
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class StepResult:
@@ -34,6 +37,7 @@ class StepResult:
     drafted: list[int]
     verify_s: float = 0.0
     draft_costs: dict[str, tuple[float, int]] = field(default_factory=dict)
+    draft_errors: dict[str, str] = field(default_factory=dict)  # key -> why its drafter failed (it ran plainly)
     tokens: int = 0  # tokens in the target pass (its cost driver)
 
 
@@ -91,8 +95,14 @@ class TargetStep:
             proposals.update({r.key: p for r, p in zip(rows, external.proposals)})
         for mode, drafter in self.drafters.items():
             rows = plan.drafting(mode)
-            if rows:
+            if not rows:
+                continue
+            try:
                 drafted = drafter.propose(draft_rows(rows))
-                result.draft_costs[mode] = (drafted.seconds, drafted.steps)
-                proposals.update({r.key: p for r, p in zip(rows, drafted.proposals)})
+            except Exception as exc:  # a draft failure never fails a request: its rows run plainly
+                log.exception("drafter %s failed", mode)
+                result.draft_errors.update({r.key: f"{type(exc).__name__}: {exc}" for r in rows})
+                continue
+            result.draft_costs[mode] = (drafted.seconds, drafted.steps)
+            proposals.update({r.key: p for r, p in zip(rows, drafted.proposals)})
         return proposals
