@@ -72,6 +72,10 @@ class PolicyConfig(BaseModel):
     probe_interval: int = Field(16, ge=1, description="Plain tokens between probe rounds.")
     ewma: float = Field(0.3, gt=0, le=1, description="Weight of the newest round in estimates.")
     prior_acceptance: float = Field(0.6, ge=0, le=1, description="a before any round is seen.")
+    confidence_stop: bool = Field(
+        True, description="An adaptive request's draft chain stops where the drafter's own confidence "
+        "says one more draft would not pay (drafts with a distribution; a request's explicit k is kept whole)."
+    )
 
 
 class Costs(Protocol):
@@ -108,6 +112,8 @@ class SpeculationPolicy:
     k_used: Counter = field(default_factory=Counter)
     _seen: int = 0
     _trials: dict[str, tuple[float, float]] = field(default_factory=dict)
+    _calibration: dict[str, tuple[float, float]] = field(default_factory=dict)  # mode -> (accepted, predicted) EWMAs
+    _speedup: float = 1.0  # the expected speedup of the last decision
 
     def __post_init__(self) -> None:
         self.active = self.active or self.modes[0]
@@ -124,9 +130,42 @@ class SpeculationPolicy:
                 rej = (1 - cfg.ewma) * rej + cfg.ewma * rejected
                 self._trials[r.mode] = (acc, rej)
                 self.acceptance[r.mode] = acc / (acc + rej) if acc + rej > 0 else cfg.prior_acceptance
+                if r.confidence:
+                    self._calibrate(r, cfg.ewma)
             if r.k == 0 and r.mode != "prefill":
                 self.plain_tokens += r.emitted
         self._seen = len(rounds)
+
+    def _calibrate(self, r: RoundStats, w: float) -> None:
+        """How far the drafter's confidences over- or under-state acceptance: the drafts a round
+        was predicted to keep (the sum over j of the product of the first j confidences) against
+        those it kept, each an EWMA over rounds."""
+        predicted, reach = 0.0, 1.0
+        for c in r.confidence:
+            reach *= c
+            predicted += reach
+        acc, pred = self._calibration.get(r.mode, (1.0, 1.0))
+        self._calibration[r.mode] = ((1 - w) * acc + w * r.accepted, (1 - w) * pred + w * predicted)
+
+    def stop_below(self, mode: str) -> float:
+        """The confidence stop for this request's next chain (``specdec.drafters.base.Chains``).
+
+        After draft j the chain is kept with probability ``kappa * R_j`` (``R_j``: the product of
+        the drafter's confidences so far, ``kappa``: their calibration); one more draft costs a
+        draft step and a verify position, ``c + (v(2) - v(1))`` plain steps, which at the
+        expected speedup ``S`` would buy ``S (c + dv)`` tokens. The chain stops once
+        ``kappa * R_j`` falls below that. 0 (draft all k) for a request with an explicit k, or
+        when the operator turned it off.
+
+            c = 0.15, dv = 0.03, S = 1.2, kappa = 1  ->  stop once R_j < 0.216
+        """
+        cfg = self.config()
+        if not (self.adaptive and cfg.confidence_stop):
+            return 0.0
+        acc, pred = self._calibration.get(mode, (1.0, 1.0))
+        kappa = min(4.0, max(0.25, acc / pred)) if pred > 0 else 1.0
+        cost = self.costs.c(mode) + max(0.0, self.costs.v(2) - self.costs.v(1))
+        return min(0.95, max(1.0, self._speedup) * cost / kappa)
 
     def _best(self, cfg: PolicyConfig) -> tuple[str, int, float]:
         """The best (mode, k, expected speedup) over the available drafters."""
@@ -156,6 +195,7 @@ class SpeculationPolicy:
         if self.costs.step_s is None and index == 1 and self.adaptive:
             return 0  # one plain step measures the unit's step time; it costs nothing
         mode, k, s = self._best(cfg)
+        self._speedup = s
         if self.probing:  # the probe round just ran: decide on its evidence
             self.probing = False
             if s >= 1 + cfg.margin_on:

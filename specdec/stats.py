@@ -32,6 +32,7 @@ class RoundStats:
     started_at: float = 0.0  # wall clock (time.time()) when the step began, for traces
     draft_error: str | None = None  # the drafter failed this round; it ran as a plain step
     events: tuple[str, ...] = ()  # the policy's decisions taken before this round ("probe:draft", ...)
+    confidence: tuple[float, ...] = ()  # the drafter's probability of each draft token (none: prompt lookup)
 
     @property
     def bonus(self) -> bool:

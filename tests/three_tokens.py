@@ -3,7 +3,8 @@
 With top_k=3 the first three sampled tokens have 27 possible continuations whose exact
 probabilities the target gives directly; speculative samples, drawn through the engine's step
 loop 16 rows at a time, are compared with them by a chi-square goodness-of-fit test (cells
-with expectation < 5 pooled).
+with expectation < 5 pooled). The first token comes from the prefill, so three tokens leave
+room for one draft; ``length=4`` (81 cells) lets a round propose a chain of two.
 """
 
 import itertools
@@ -17,11 +18,15 @@ PARAMS = SamplingParams(temperature=1.0, top_k=3)
 CELLS = list(itertools.product(range(3), repeat=3))  # ranks within the top 3, not ids
 
 
-def exact_distribution(model, ids: list[int]) -> tuple[dict, dict]:
-    """(probability of each rank cell, cell of each 3-token continuation)."""
+def cells(length: int = 3) -> list[tuple[int, ...]]:
+    return list(itertools.product(range(3), repeat=length))
+
+
+def exact_distribution(model, ids: list[int], length: int = 3) -> tuple[dict, dict]:
+    """(probability of each rank cell, cell of each ``length``-token continuation)."""
     exact, cell_of = {}, {}
     with torch.inference_mode():
-        for cell in CELLS:
+        for cell in cells(length):
             seq, prob = list(ids), 1.0
             for rank in cell:
                 p = logits_to_probs(model(input_ids=torch.tensor([seq])).logits[0, -1].double(), PARAMS)
@@ -32,14 +37,14 @@ def exact_distribution(model, ids: list[int]) -> tuple[dict, dict]:
     return exact, cell_of
 
 
-def batched_cells(engine, ids: list[int], n: int, mode: str, k: int = 2) -> tuple[dict, dict, int]:
-    """``n`` seeded 3-token samples of ``mode`` drawn 16 at a time through the step loop:
-    (exact cell probabilities, observed counts, draft tokens proposed)."""
+def batched_cells(engine, ids: list[int], n: int, mode: str, k: int = 2, length: int = 3) -> tuple[dict, dict, int]:
+    """``n`` seeded ``length``-token samples of ``mode`` drawn 16 at a time through the step
+    loop: (exact cell probabilities, observed counts, draft tokens proposed)."""
     model = engine.loop.target.runner.model
-    exact, cell_of = exact_distribution(model, ids)
-    counts, drafted = dict.fromkeys([*CELLS, "impossible"], 0), 0
+    exact, cell_of = exact_distribution(model, ids, length)
+    counts, drafted = dict.fromkeys([*cells(length), "impossible"], 0), 0
     for base in range(0, n, 16):
-        handles = [engine.loop.submit(engine.request(ids, max_tokens=3, mode=mode, k=k, ignore_eos=True,
+        handles = [engine.loop.submit(engine.request(ids, max_tokens=length, mode=mode, k=k, ignore_eos=True,
                                                      params=SamplingParams(PARAMS.temperature, top_k=3, seed=s)))
                    for s in range(base, min(n, base + 16))]
         for h in handles:
@@ -52,28 +57,30 @@ def batched_cells(engine, ids: list[int], n: int, mode: str, k: int = 2) -> tupl
 
 def batched_pvalue(exact: dict, counts: dict, n: int) -> float:
     """Chi-square p-value of ``counts`` against ``exact`` (cells expected below 5 pooled)."""
-    obs, exp = [counts[c] for c in CELLS], [exact[c] * n for c in CELLS]
+    keys = list(exact)
+    obs, exp = [counts[c] for c in keys], [exact[c] * n for c in keys]
     small = [i for i, e in enumerate(exp) if e < 5]
-    big = [i for i in range(len(CELLS)) if i not in small]
+    big = [i for i in range(len(keys)) if i not in small]
     obs = [obs[i] for i in big] + [sum(obs[i] for i in small)]
     exp = [exp[i] for i in big] + [sum(exp[i] for i in small)]
     return float(chisquare(obs, exp).pvalue)
 
 
-def batched_result(engine, ids: list[int], n: int, mode: str, k: int = 2) -> dict:
+def batched_result(engine, ids: list[int], n: int, mode: str, k: int = 2, length: int = 3) -> dict:
     """One batched chi-square run of ``mode``: ``{"p": p-value, "drafted": draft tokens,
     "impossible": continuations outside the target's top 3}``; ``p`` is None when there are
     impossible continuations (they already refute the distribution)."""
-    exact, counts, drafted = batched_cells(engine, ids, n, mode, k)
+    exact, counts, drafted = batched_cells(engine, ids, n, mode, k, length)
     p = None if counts["impossible"] else batched_pvalue(exact, counts, n)
     return {"p": p, "drafted": drafted, "impossible": counts["impossible"]}
 
 
-def batched_test_and_control(engine, ids: list[int], n: int, mode: str, monkeypatch, k: int = 2) -> tuple[dict, dict]:
+def batched_test_and_control(engine, ids: list[int], n: int, mode: str, monkeypatch, k: int = 2,
+                             length: int = 3) -> tuple[dict, dict]:
     """The batched chi-square run of ``mode`` (``batched_result``), then its negative control:
     a verifier that accepts every draft (its output is the drafter's distribution)."""
     import specdec.batch.verify as batch_verify
 
-    honest = batched_result(engine, ids, n, mode, k)
+    honest = batched_result(engine, ids, n, mode, k, length)
     monkeypatch.setattr(batch_verify, "acceptance_probs", lambda x, q, p: torch.ones(len(x)))
-    return honest, batched_result(engine, ids, n, mode, k)
+    return honest, batched_result(engine, ids, n, mode, k, length)

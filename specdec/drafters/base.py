@@ -24,12 +24,15 @@ from specdec.sampling import SamplingParams, make_generator
 class Proposal:
     """Draft tokens for one row and the distribution each was drawn from.
 
-    tokens: [k'] ids, k' <= k; "no proposal" is an empty list, never None.
-    probs:  [k', vocab] the processed q rows, or None (point masses: prompt lookup, greedy).
+    tokens:     [k'] ids, k' <= k; "no proposal" is an empty list, never None.
+    probs:      [k', vocab] the processed q rows, or None (point masses: prompt lookup, greedy).
+    confidence: [k'] the drafter's probability of each of its own tokens, or () for a drafter
+                without a distribution (prompt lookup).
     """
 
     tokens: list[int]
     probs: torch.Tensor | None = None
+    confidence: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         assert self.probs is None or self.probs.shape[0] == len(self.tokens), (self.probs.shape, len(self.tokens))
@@ -45,7 +48,8 @@ EMPTY_PROPOSAL = Proposal(tokens=[])
 class DraftRow:
     """One row to draft for: ``context`` is the sequence's full ids (its last token not yet
     fed to the target), ``start`` / ``capacity`` its pool range (a drafter with a cache lays
-    it out like the target's)."""
+    it out like the target's). ``stop_below``: the row's chain stops once the product of the
+    drafter's probabilities of its own tokens so far falls below it (0: draft all ``k``)."""
 
     key: str
     context: list[int]
@@ -54,6 +58,7 @@ class DraftRow:
     seed: int
     start: int = 0
     capacity: int = 0
+    stop_below: float = 0.0
 
 
 @dataclass
@@ -78,12 +83,24 @@ class BatchDrafter(Protocol):
 
 
 class Chains:
-    """The draft chains of one step being built: each row's tokens, q rows and generator."""
+    """The draft chains of one step being built: each row's tokens, q rows, confidences and
+    generator.
+
+    Confidence stop: after each token a row stops when the product of its tokens' confidences
+    (the drafter's probability of each token it chose: the chance, as the drafter sees it, that
+    the whole chain so far is right) is below the row's ``stop_below``, or when one token's
+    confidence is below ``threshold``. The token is still proposed: verifying it costs almost
+    nothing; the draft steps after it are saved. The stop reads only the drafter's own
+    distribution, so rejection sampling stays exact (a proposal's length may depend on q,
+    never on p).
+    """
 
     def __init__(self, rows: list[DraftRow]):
         self.rows = rows
         self.tokens: list[list[int]] = [[] for _ in rows]
         self.qs: list[list[torch.Tensor]] = [[] for _ in rows]
+        self.confidence: list[list[float]] = [[] for _ in rows]
+        self.reach = [1.0] * len(rows)  # product of each row's confidences so far
         self.gens = [None if r.params.greedy else make_generator(r.seed) for r in rows]
         self.stopped: set[int] = set()
         self.steps = 0
@@ -95,17 +112,18 @@ class Chains:
 
     def extend(self, logits: torch.Tensor, live: list[int], threshold: float = 0.0) -> None:
         """Each live row's next draft token from its logits [len(live), V]: greedy or drawn from
-        q with the row's generator. A row whose token has probability below ``threshold`` under
-        q stops (the token is still proposed)."""
+        q with the row's generator; then the confidence stop (class docstring)."""
         rows = self.rows
         sampled = [j for j, i in enumerate(live) if not rows[i].params.greedy]
         probs = batched_probs(logits[sampled], [rows[live[j]].params for j in sampled]) if sampled else None
-        greedy = logits.argmax(-1).tolist()
+        greedy = logits.argmax(-1)
+        # a greedy token's confidence is its probability under the untempered distribution
+        greedy_conf = torch.softmax(logits.float(), -1).gather(-1, greedy[:, None])[:, 0].tolist()
+        greedy = greedy.tolist()
         at = 0
         for j, i in enumerate(live):
             if rows[i].params.greedy:
-                token = greedy[j]
-                confidence = float(torch.softmax(logits[j], -1)[token]) if threshold > 0 else 1.0
+                token, confidence = greedy[j], greedy_conf[j]
             else:
                 q = probs[at]
                 at += 1
@@ -113,10 +131,13 @@ class Chains:
                 self.qs[i].append(q)
                 confidence = float(q[token])
             self.tokens[i].append(token)
-            if confidence < threshold:
+            self.confidence[i].append(confidence)
+            self.reach[i] *= confidence
+            if confidence < threshold or self.reach[i] < rows[i].stop_below:
                 self.stopped.add(i)  # unsure: let the target speak before drafting further
         self.steps += 1
 
     def drafted(self) -> Drafted:
-        proposals = [Proposal(t, torch.stack(q) if q else None) for t, q in zip(self.tokens, self.qs)]
+        proposals = [Proposal(t, torch.stack(q) if q else None, tuple(c))
+                     for t, q, c in zip(self.tokens, self.qs, self.confidence)]
         return Drafted(proposals, time.perf_counter() - self.began, self.steps)

@@ -297,9 +297,10 @@ class StepLoop:
         self._observe_costs(plan, result, loop_costs)
         costs = {**loop_costs, **result.draft_costs}
         emitting = [r for r in plan.rows if r.emits]
-        for row, verdict, drafted in zip(emitting, result.verdicts, result.drafted):
-            draft_s = costs.get(row.mode, (0.0, 0))[0] if drafted else 0.0
-            self._commit(by_key[row.key], row, verdict, draft_s, result.verify_s, started_at, errors.get(row.key))
+        for row, verdict, confidence in zip(emitting, result.verdicts, result.confidence):
+            draft_s = costs.get(row.mode, (0.0, 0))[0] if verdict.num_drafted else 0.0
+            self._commit(by_key[row.key], row, verdict, confidence, draft_s, result.verify_s, started_at,
+                         errors.get(row.key))
         for row in plan.rows:
             if not row.emits:
                 by_key[row.key].prefilled = len(row.context)
@@ -340,14 +341,16 @@ class StepLoop:
         cands = [self._candidate(live, cfg) for live in decode]
         # A lone row keeps its policy's k (the same costs, one request); a batch shares a step.
         ks = allocate(cands, self.costs, other) if len(cands) > 1 else [c.k_cap for c in cands]
-        rows += [self._row(live, mode=c.mode if k else "off", k=k) for live, c, k in zip(decode, cands, ks)]
+        for live, c, k in zip(decode, cands, ks):
+            stop = live.policy.stop_below(c.mode) if k and live.policy is not None else 0.0
+            rows.append(self._row(live, mode=c.mode if k else "off", k=k, stop_below=stop))
         return StepPlan(rows)
 
     def _row(self, live: _Live, *, emits: bool = True, context: list[int] | None = None, mode: str = "off",
-             k: int = 0) -> Row:
+             k: int = 0, stop_below: float = 0.0) -> Row:
         index = len(live.rounds)
         return Row(live.key, context if context is not None else live.ids, live.start, live.capacity, emits,
-                   mode, k, live.req.params, round_seed(live.seed, index, TARGET),
+                   mode, k, stop_below, live.req.params, round_seed(live.seed, index, TARGET),
                    round_seed(live.seed, index, DRAFT), **self._suppressed(live))
 
     def _candidate(self, live: _Live, cfg: PolicyConfig) -> Candidate:
@@ -422,8 +425,8 @@ class StepLoop:
 
     # --- commit -------------------------------------------------------------------------------
 
-    def _commit(self, live: _Live, row: Row, verdict, draft_s: float, verify_s: float, started_at: float,
-                draft_error: str | None) -> None:
+    def _commit(self, live: _Live, row: Row, verdict, confidence: tuple[float, ...], draft_s: float,
+                verify_s: float, started_at: float, draft_error: str | None) -> None:
         tokens, finish = cut_round(verdict.tokens, live.req.max_tokens - len(live.out), self._stop_ids(live.req))
         live.out.extend(tokens)
         index = len(live.rounds)
@@ -434,7 +437,7 @@ class StepLoop:
         stats = RoundStats(
             index=index, mode="prefill" if index == 0 else row.mode, k=row.k, drafted=verdict.num_drafted,
             accepted=verdict.num_accepted, emitted=len(tokens), draft_s=draft_s, verify_s=verify_s,
-            started_at=started_at, draft_error=draft_error, events=events,
+            started_at=started_at, draft_error=draft_error, events=events, confidence=confidence,
         )
         live.rounds.append(stats)
         if index == 0:

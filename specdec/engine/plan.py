@@ -67,7 +67,8 @@ class Row:
     capacity: int  # pool rows in that range
     emits: bool = True  # False: a prompt chunk; no logits, no token this step
     mode: str = "off"  # "off" or a drafter's name (``specdec.drafters.DRAFTERS``)
-    k: int = 0  # drafts to propose; 0 for plain rows and chunks
+    k: int = 0  # drafts to propose at most; 0 for plain rows and chunks
+    stop_below: float = 0.0  # the confidence stop (``specdec.drafters.base.Chains``); 0: draft all k
     params: SamplingParams = SamplingParams()
     target_seed: int = 0  # round_seed(..., TARGET): verification's randomness
     draft_seed: int = 0  # round_seed(..., DRAFT): the drafter's

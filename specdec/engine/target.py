@@ -30,11 +30,12 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class StepResult:
-    """What the target side did. Per emitting row (plan order): its verdict and how many
-    tokens it drafted. Per drafting mode that ran away from the loop: (seconds, draft passes)."""
+    """What the target side did. Per emitting row (plan order): its verdict and its drafts'
+    confidences (as many as it drafted). Per drafting mode that ran away from the loop:
+    (seconds, draft passes)."""
 
     verdicts: list[Verdict]
-    drafted: list[int]
+    confidence: list[tuple[float, ...]]
     verify_s: float = 0.0
     draft_costs: dict[str, tuple[float, int]] = field(default_factory=dict)
     draft_errors: dict[str, str] = field(default_factory=dict)  # key -> why its drafter failed (it ran plainly)
@@ -42,7 +43,7 @@ class StepResult:
 
 
 def draft_rows(rows: list[Row]) -> list[DraftRow]:
-    return [DraftRow(r.key, r.context, r.k, r.params, r.draft_seed, r.start, r.capacity) for r in rows]
+    return [DraftRow(r.key, r.context, r.k, r.params, r.draft_seed, r.start, r.capacity, r.stop_below) for r in rows]
 
 
 class TargetStep:
@@ -63,7 +64,7 @@ class TargetStep:
             self.runner.release(key)
             for drafter in self.drafters.values():
                 drafter.release(key)
-        result = StepResult(verdicts=[], drafted=[])
+        result = StepResult(verdicts=[], confidence=[])
         proposals = self._proposals(plan, external, result)
         emitting = [r for r in plan.rows if r.emits]
         # 2. one pass: every row's missing tokens, and each emitting row's pending token + drafts
@@ -82,7 +83,7 @@ class TargetStep:
         # 4. roll back: each row keeps its context and accepted drafts
         for r, v in zip(emitting, verdicts):
             self.runner.truncate(r.key, len(r.context) + v.num_accepted)
-        result.verdicts, result.drafted = verdicts, [len(proposals[r.key]) for r in emitting]
+        result.verdicts, result.confidence = verdicts, [proposals[r.key].confidence for r in emitting]
         return result
 
     def _proposals(self, plan: StepPlan, external: Drafted | None, result: StepResult) -> dict[str, Proposal]:
