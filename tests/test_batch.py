@@ -381,3 +381,32 @@ def test_stop_token_ids_end_the_request_and_ignore_eos_keeps_going(engine):
         engine.eos_token_ids = saved
     assert stopped.token_ids == full[: full.index(full[2]) + 1] and stopped.finish_reason == "stop"
     assert going.token_ids == full and going.finish_reason == "length"
+
+
+def test_a_draft_side_that_fails_leaves_its_rows_plain_for_a_while_and_the_tokens_unchanged(llama_pair):
+    """The target side reports that the draft side's proposals never arrived (a dead or hung
+    draft worker): that step's draft rows run plainly and say why, drafting resumes after
+    DRAFT_RETRY_ROUNDS rounds, and the tokens are plain decoding's."""
+    from specdec.engine.plan import DRAFT_RETRY_ROUNDS, DraftUnavailable
+
+    engine = Engine.load(ModelConfig(target=str(llama_pair["target"]), draft=str(llama_pair["draft"]),
+                                     dtype="float32"), kv_cache_tokens=4096)
+    ids = engine.encode(prompt=PROMPTS[2])
+    plain = engine.generate(ids, max_tokens=24, mode="off", ignore_eos=True)
+    real, calls = engine.loop.target.run, []
+
+    def run(plan, external=None, release=()):
+        calls.append(external is not None)
+        if external is not None and calls.count(True) == 2:
+            raise DraftUnavailable("the draft worker did not answer")
+        return real(plan, external, release)
+
+    engine.loop.target.run = run
+    spec = engine.generate(ids, max_tokens=24, mode="draft", k=3, ignore_eos=True)
+    assert spec.token_ids == plain.token_ids
+    failed = [r.index for r in spec.rounds if r.draft_error]
+    assert len(failed) == 1 and "did not answer" in spec.rounds[failed[0]].draft_error
+    assert spec.speculation.draft_failures == 1
+    after = [r for r in spec.rounds if r.index > failed[0]]
+    assert all(r.drafted == 0 for r in after[:DRAFT_RETRY_ROUNDS - 1])  # plain while it recovers
+    assert any(r.drafted for r in after[DRAFT_RETRY_ROUNDS - 1:])  # then drafting again

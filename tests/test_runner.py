@@ -105,3 +105,24 @@ def test_common_prefix_len():
     assert common_prefix_len([1, 2, 3], [1, 2, 3, 4]) == 3
     assert common_prefix_len([1, 2, 3], [1, 5, 3]) == 1
     assert common_prefix_len([], [1]) == 0
+
+
+def test_a_model_on_the_pool_still_decodes_correctly_outside_a_step(model):
+    """Outside a bound step (transformers' own generate, the benchmark's assisted runs) the
+    ragged attention is SDPA's with SDPA's mask: a multi-token forward over a cache gives a
+    fresh forward's logits (without the mask function it lined the queries up with the first
+    keys)."""
+    import copy
+
+    from transformers import DynamicCache
+
+    ids = [5, 9, 3, 7, 11, 2, 8, 4, 6, 10]
+    want = full_logits(model, ids)
+    on_pool = copy.deepcopy(model)
+    BatchRunner(on_pool, capacity_tokens=256)  # switches its attention to the pool's
+    assert on_pool.config._attn_implementation == "specdec_ragged"
+    with torch.inference_mode():
+        cache = DynamicCache(config=on_pool.config)
+        on_pool(input_ids=torch.tensor([ids[:4]]), use_cache=True, cache=cache)
+        out = on_pool(input_ids=torch.tensor([ids[4:]]), use_cache=True, cache=cache).logits[0]
+    torch.testing.assert_close(out.float(), want[4:], rtol=1e-4, atol=1e-4)

@@ -7,7 +7,10 @@ contiguous pool range (no copy): ``sum_r q_r x n_r`` scores, no gather.
 
 Registered with transformers as the attention implementation ``specdec_ragged``. It acts only
 while a ``BatchRunner`` step is bound (``bind`` / ``unbind``, per thread); any other call of
-the same model (a one-sequence runner, ``generate``) falls through to SDPA unchanged.
+the same model (``generate``, assisted generation in the benchmark) is SDPA's, mask and all:
+the name is registered with SDPA's mask function too, without which transformers builds no
+mask for an implementation it does not know and SDPA, told the attention is causal, lines a
+multi-token query over a cache up with the first keys instead of the last.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 NAME = "specdec_ragged"
 _BOUND = threading.local()
@@ -76,6 +80,7 @@ def ragged_attention(module, query, key, value, attention_mask, dropout: float =
 
 
 AttentionInterface.register(NAME, ragged_attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)  # unbound calls: SDPA's own mask
 
 
 def use_ragged(model: torch.nn.Module) -> None:

@@ -402,13 +402,14 @@ class StepLoop:
             return plan, self.target.run(plan, external, self._take_release("target")), {}
         except DraftUnavailable as exc:
             log.warning("draft worker failed (%s); this step's drafts run plainly", exc)
+            why = f"{type(exc).__name__}: {exc}"
         failed = {r.key for r in external_rows}
         for live in self._running:
             if live.key in failed:
                 live.draft_retry_at = len(live.rounds) + DRAFT_RETRY_ROUNDS
         plan = StepPlan([dataclasses.replace(r, mode="off", k=0, proposal=EMPTY_PROPOSAL) if r.key in failed else r
                          for r in plan.rows])
-        return plan, self.target.run(plan, None, []), {key: f"DraftUnavailable: {exc}" for key in failed}
+        return plan, self.target.run(plan, None, []), dict.fromkeys(failed, why)
 
     def _take_release(self, side: str) -> list[str]:
         keys = [k for s, k in self._release if s == side]
