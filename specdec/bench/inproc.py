@@ -3,6 +3,10 @@
 Both sides ignore EOS so that every run produces exactly ``max_tokens`` tokens (as serving
 benchmarks do with ``ignore_eos``): tokens per second then compare like with like.
 
+transformers' runs use the engine's own model objects, switched to SDPA for the call
+(``transformers_attention``: the engine's attention gets no mask from transformers, which
+breaks multi-token forwards over a cache).
+
 transformers does not report acceptance, so while one of its assisted runs is in flight the
 ``update_candidate_strategy`` hook every candidate generator gets after each round (with the
 round's scores and number of matches) is wrapped to record ``(drafted, accepted)``.
@@ -178,6 +182,38 @@ def _assistant_config(draft, settings: dict):
             setattr(draft.generation_config, key, value)
 
 
+@contextmanager
+def transformers_attention(*models):
+    """Run ``generate`` on the engine's models with an attention transformers builds masks for.
+
+    The engine's ``BatchRunner`` sets ``config._attn_implementation = "specdec_ragged"``,
+    which outside one of its steps falls through to SDPA. transformers 5.24 builds no mask for
+    an implementation that has no mask function (``masking_utils._preprocess_mask_arguments``:
+    ``if config._attn_implementation not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
+    return True, None, ...``), and SDPA without a mask and with more than one query runs
+    ``is_causal=True`` (``integrations/sdpa_attention.py``), which torch aligns top-left: over
+    a cache, query i sees keys 0..i only. Prefill (as many queries as keys) and one-token
+    steps come out right, so plain ``generate`` does; assisted and prompt-lookup verification
+    (``candidate_length + 1`` queries over the cache) and the assistant's first forward of a
+    round do not. Such models run as "sdpa" for the block (restored after).
+    """
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    saved = []
+    for model in models:
+        if model is None:
+            continue
+        config = model.config
+        if config._attn_implementation not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
+            saved.append((config, config._attn_implementation))
+            config._attn_implementation = "sdpa"
+    try:
+        yield
+    finally:
+        for config, implementation in reversed(saved):
+            config._attn_implementation = implementation
+
+
 def run_hf(
     model, draft, cfg: BenchConfig, prompt: Prompt, max_tokens: int, repeat: int, pad_token_id: int
 ) -> RunResult:
@@ -203,7 +239,8 @@ def run_hf(
         kwargs["prompt_lookup_num_tokens"] = cfg.k
     elif cfg.mode != "plain":
         raise ValueError(f"unknown transformers mode {cfg.mode!r}")
-    with torch.inference_mode(), record_hf_rounds(cfg.mode) as rounds, _assistant_config(draft, settings):
+    with torch.inference_mode(), record_hf_rounds(cfg.mode) as rounds, _assistant_config(draft, settings), \
+            transformers_attention(model, draft if cfg.mode == "assisted" else None):
         t0 = time.perf_counter()
         out = model.generate(ids, **kwargs)
         seconds = time.perf_counter() - t0
