@@ -436,11 +436,25 @@ def test_quick_tiny_run_writes_every_field(tiny_home, capsys):
             assert r["mean_accepted_length"] == pytest.approx(1 + r["accepted_tokens"] / r["rounds"])
             assert r["ideal_speedup"] > 0 and r["efficiency"] == pytest.approx(r["speedup"] / r["ideal_speedup"])
             assert len(r["per_position_acceptance"]) <= max(r["k"] or 8, 8 if r["runner"] == "ours" else 20)
-        if r["runner"] == "hf" and r["mode"] != "plain":
+        if r["runner"] == "hf":
             # Every transformers round adds accepted + 1 tokens (its prefill round drafts too).
-            assert r["accepted_tokens"] + r["rounds"] == r["output_tokens"], r["name"]
+            if r["mode"] != "plain":
+                assert r["accepted_tokens"] + r["rounds"] == r["output_tokens"], r["name"]
+            assert r["transformers_settings"]["attn_implementation"] == "sdpa"
+            assert r["speedup_vs_hf_plain"] > 0 and r["speedup_vs_hf_plain"] != r["speedup"]
+        else:
+            assert r["transformers_settings"] is None and r["speedup_vs_hf_plain"] is None
+        if r["name"] == "hf-plain":
+            assert r["speedup_vs_hf_plain"] == 1.0
+        if r["name"] == "hf-assisted-constant-k4":
+            assert r["transformers_settings"] == {
+                "candidate_generator": "AssistedCandidateGenerator", "num_assistant_tokens": 4,
+                "num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.0,
+                "confidence_threshold_adapts": False, "eos_token_id": None, "attn_implementation": "sdpa"}
         if r["name"] == "hf-assisted-default":
             assert (r["k"], r["schedule"]) == (None, "default")
+            assert r["transformers_settings"]["num_assistant_tokens"] == 20
+            assert r["transformers_settings"]["assistant_confidence_threshold"] == 0.4
         if r["name"] in ("draft-k4", "hf-assisted-constant-k4"):
             assert r["drafted_tokens"] > 0 and len(r["per_position_acceptance"]) == 4 and r["mean_k"] <= 4
             assert r["c"] == report["costs"]["c"] and r["v_k"] == pytest.approx(report["costs"]["v"]["4"])
@@ -452,6 +466,10 @@ def test_quick_tiny_run_writes_every_field(tiny_home, capsys):
         "auto >= 0.95x plain"}
     # The transformers hook used to count assisted rounds is restored.
     assert vars(GenerationMixin)["_get_candidate_generator"] is original_hook
+    assert "== transformers settings (as transformers applied them) ==" in table
+    legend = table[table.index("== transformers settings"):]
+    assert any(line.split()[:3] == ["hf-assisted-default", "AssistedCandidateGenerator:", "num_assistant_tokens=20"]
+               for line in legend.splitlines()[1:] if line.strip())
 
 
 def test_plots_are_optional(monkeypatch, tmp_path, caplog):
