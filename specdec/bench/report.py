@@ -288,7 +288,8 @@ def format_table(rows: list[dict]) -> str:
                 r["name"], _f(t["median"], ".1f"), f"{_f(t['min'], '.1f')}-{_f(t['max'], '.1f')}",
                 _f(r["speedup"]), _f(r["speedup_vs_hf_plain"]), _f(r["acceptance_rate"]),
                 _f(r["mean_accepted_length"]), _f(r["c"]), _f(r["v_k"]), _f(r["ideal_speedup"]),
-                _f(r["efficiency"]), _ms(r["ttft_s"]["p50"]), _ms(r["tpot_s"]["p50"]), _ms(r["tpot_s"]["p95"]), _f(r["peak_rss_mb"], ".0f"), same,
+                _f(r["efficiency"]), _ms(r["ttft_s"]["p50"]), _ms(r["tpot_s"]["p50"]), _ms(r["tpot_s"]["p95"]),
+                _f(r["peak_rss_mb"], ".0f"), same,
             ))
         lines.append("")
     legend = format_transformers_settings(rows)
