@@ -237,10 +237,14 @@ def test_concurrency_sweep_against_a_fake_server(fake_url):
 def test_config_list_and_filters(monkeypatch):
     names = [c.name for c in build_configs((4,), quick=True, http=False)]
     assert names == ["off", "draft-k4", "ngram-k4", "early_exit-k4", "eagle-k4", "draft-adaptive", "eagle-adaptive",
-                     "auto", "hf-plain", "hf-assisted-k4", "hf-assisted-heuristic", "hf-lookup-k10"]
+                     "auto", "hf-plain", "hf-assisted-default", "hf-assisted-constant-k4", "hf-lookup-k10"]
     full = build_configs((2, 4, 6), quick=False, http=True)
-    assert {"draft-k2", "draft-k6", "ngram-k6", "ngram-adaptive", "hf-assisted-default", "hf-lookup-k2",
-            "http-off", "http-draft-k4", "http-auto"} <= {c.name for c in full}
+    assert {"draft-k2", "draft-k6", "ngram-k6", "ngram-adaptive", "hf-assisted-heuristic-k5", "hf-lookup-k2",
+            "hf-assisted-constant-k6", "http-off", "http-draft-k4", "http-auto"} <= {c.name for c in full}
+    # transformers' assisted rows carry transformers' schedule names.
+    assert {c.name: c.schedule for c in full if c.mode == "assisted"} == {
+        "hf-assisted-default": "default", "hf-assisted-constant-k2": "constant", "hf-assisted-constant-k4": "constant",
+        "hf-assisted-constant-k6": "constant", "hf-assisted-heuristic-k5": "heuristic_transient"}
     http_auto = next(c for c in full if c.name == "http-auto")
     assert (http_auto.k, http_auto.schedule, http_auto.in_process) == (None, "adaptive", "auto")
     assert [c.name for c in build_configs((4,), quick=True, http=False, only=["ngram*"])] == ["off", "ngram-k4"]
@@ -248,6 +252,140 @@ def test_config_list_and_filters(monkeypatch):
     monkeypatch.setitem(configs_mod.OUR_MODES, "early_exit", ("fixed", "adaptive"))
     names = [c.name for c in build_configs((2, 4), quick=True, http=False)]
     assert {"early_exit-k2", "early_exit-k4", "early_exit-adaptive"} <= set(names)
+
+
+# --------------------------------------------------------------------------- transformers' peer runs
+
+HF_TOKENS = 24
+
+
+@pytest.fixture(scope="module", params=["llama", "gpt2"])
+def hf_engine(request):
+    """The bench's objects on a tiny pair: the engine's own fp32 models, EOS cleared."""
+    from specdec.config import ModelConfig
+    from specdec.engine import Engine
+
+    pair = request.getfixturevalue(f"{request.param}_pair")
+    engine = Engine.load(ModelConfig(target=str(pair["target"]), draft=str(pair["draft"]), dtype="float32",
+                                     draft_dtype="float32"))
+    engine.eos_token_ids = frozenset()
+    # What the bench inherits: the engine's runner attends through its own (ragged) attention.
+    assert engine.target_model.config._attn_implementation == "specdec_ragged"
+    text = "The cat sees the moon today. A dog likes a red ball. The cat sees the moon today. A dog likes"
+    prompt = Prompt(workload="chat", index=0, text=text, ids=engine.encode(prompt=text), temperature=0.0, seed=0)
+    return engine, prompt
+
+
+def _hf(engine, cfg, prompt, max_tokens=HF_TOKENS):
+    """One ``run_hf`` call, and the number of target forward passes it made (a hook's count)."""
+    from specdec.bench.inproc import run_hf
+
+    calls = []
+    handle = engine.target_model.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        result = run_hf(engine.target_model, engine.draft_model, cfg, prompt, max_tokens, 0,
+                        engine.tokenizer.eos_token_id)
+    finally:
+        handle.remove()
+    return result, len(calls)
+
+
+def _budgets(prompt_len: int, rounds, max_tokens: int = HF_TOKENS):
+    """Per round, the most transformers lets the assistant draft: ``max_length - cur_len - 1``
+    (``AssistedCandidateGenerator._calculate_new_tokens``), cur_len growing by accepted + 1."""
+    cur, out = prompt_len, []
+    for rd in rounds:
+        out.append(prompt_len + max_tokens - cur - 1)
+        cur += rd.accepted + 1
+    return out
+
+
+HF_DEFAULT = BenchConfig("hf-assisted-default", "hf", "assisted", schedule="default")
+HF_K4 = BenchConfig("hf-assisted-constant-k4", "hf", "assisted", 4, schedule="constant")
+HF_HEURISTIC = BenchConfig("hf-assisted-heuristic-k5", "hf", "assisted", 5, schedule="heuristic_transient")
+HF_LOOKUP = BenchConfig("hf-lookup-k4", "hf", "lookup", 4)
+HF_PLAIN = BenchConfig("hf-plain", "hf", "plain")
+
+
+def test_hf_rounds_add_up_to_the_generated_ids(hf_engine):
+    """Every transformers round (its first, the prefill, included) adds accepted + 1 tokens and
+    is one target forward; fp32 greedy speculation gives transformers' plain output exactly."""
+    engine, prompt = hf_engine
+    plain, plain_calls = _hf(engine, HF_PLAIN, prompt)
+    assert plain.output_tokens == HF_TOKENS and plain.rounds == [] and plain_calls == HF_TOKENS
+    for cfg in (HF_DEFAULT, HF_K4, HF_HEURISTIC, HF_LOOKUP):
+        r, target_calls = _hf(engine, cfg, prompt)
+        assert r.output_tokens == len(r.output_ids) == HF_TOKENS, cfg.name  # EOS ignored
+        # Before the bench ran transformers in SDPA, its verification attended with a
+        # top-left causal mask over the cache and these outputs were not plain decoding's.
+        assert r.output_ids == plain.output_ids, cfg.name
+        assert all(0 <= rd.accepted <= rd.drafted for rd in r.rounds), cfg.name
+        assert sum(rd.accepted for rd in r.rounds) + len(r.rounds) == HF_TOKENS, cfg.name
+        assert len(r.rounds) == target_calls < HF_TOKENS, cfg.name  # speculation saved target passes
+        assert sum(rd.drafted for rd in r.rounds) > 0, cfg.name
+        if cfg.mode == "lookup":  # at most prompt_lookup_num_tokens; none drafted (no match) is a plain step
+            assert all(rd.drafted <= 4 for rd in r.rounds)
+
+
+def test_hf_schedules_are_the_ones_transformers_applied(hf_engine):
+    """Each configuration's recorded draft lengths follow its transformers schedule exactly,
+    and the settings recorded from the candidate generator are transformers' names for them."""
+    from transformers.generation.utils import GenerationMixin
+    from transformers.utils import is_sklearn_available
+
+    from specdec.bench.ideal import per_position_acceptance
+
+    engine, prompt = hf_engine
+    draft, n = engine.draft_model, len(prompt.ids)
+    hook = vars(GenerationMixin)["_get_candidate_generator"]
+    before = {key: getattr(draft.generation_config, key) for key in
+              ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")}
+
+    k4, _ = _hf(engine, HF_K4, prompt)
+    assert [rd.drafted for rd in k4.rounds] == [min(4, b) for b in _budgets(n, k4.rounds)]
+    assert k4.hf_settings == {
+        "candidate_generator": "AssistedCandidateGenerator", "num_assistant_tokens": 4,
+        "num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.0,
+        "confidence_threshold_adapts": False, "eos_token_id": None, "attn_implementation": "sdpa"}
+
+    heuristic, _ = _hf(engine, HF_HEURISTIC, prompt)
+    k, expected = 5, []
+    for rd, budget in zip(heuristic.rounds, _budgets(n, heuristic.rounds)):
+        expected.append(min(k, budget))
+        k = k + 2 if rd.accepted == rd.drafted else max(1, k - 1)  # update_candidate_strategy
+    assert [rd.drafted for rd in heuristic.rounds] == expected
+    assert heuristic.hf_settings["num_assistant_tokens_schedule"] == "heuristic_transient"
+
+    default, _ = _hf(engine, HF_DEFAULT, prompt)
+    # transformers 5.24's own defaults, from the assistant's generation config (nothing set).
+    assert default.hf_settings == {
+        "candidate_generator": "AssistedCandidateGenerator", "num_assistant_tokens": 20,
+        "num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.4,
+        "confidence_threshold_adapts": is_sklearn_available(), "eos_token_id": None, "attn_implementation": "sdpa"}
+    drafted = [rd.drafted for rd in default.rounds]
+    budgets = _budgets(n, default.rounds)
+    assert all(1 <= d <= min(20, b) for d, b in zip(drafted, budgets))
+    # The 0.4 confidence stop cuts drafts short of 20 (and of the budget) in some round.
+    assert any(d < min(20, b) for d, b in zip(drafted, budgets))
+    # Two schedules, two rows (the old recorder gave both the same per-position row).
+    k4_row = per_position_acceptance((rd.drafted, rd.accepted) for rd in k4.rounds)
+    default_row = per_position_acceptance((rd.drafted, rd.accepted) for rd in default.rounds)
+    assert drafted != [rd.drafted for rd in k4.rounds] and default_row != k4_row
+
+    lookup, _ = _hf(engine, HF_LOOKUP, prompt)
+    assert lookup.hf_settings == {"candidate_generator": "PromptLookupCandidateGenerator",
+                                  "prompt_lookup_num_tokens": 4, "max_matching_ngram_size": 2,
+                                  "eos_token_id": None, "attn_implementation": "sdpa"}
+    plain, _ = _hf(engine, HF_PLAIN, prompt)
+    assert plain.hf_settings == {"attn_implementation": "sdpa"}
+
+    # Everything the runs changed is put back: the draft's settings, the engine's attention, the hook.
+    assert {key: getattr(draft.generation_config, key) for key in before} == before
+    assert engine.target_model.config._attn_implementation == "specdec_ragged"
+    assert draft.config._attn_implementation == "specdec_ragged"
+    assert vars(GenerationMixin)["_get_candidate_generator"] is hook
+    # The engine still decodes after the peers ran on its models.
+    assert engine.generate(prompt.ids, max_tokens=8, mode="off").token_ids == plain.output_ids[:8]
 
 
 # --------------------------------------------------------------------------- the whole run
@@ -264,9 +402,9 @@ def tiny_home(tmp_path, monkeypatch, llama_pair):
 
 
 def test_quick_tiny_run_writes_every_field(tiny_home, capsys):
-    from transformers.generation import candidate_generator as cg
+    from transformers.generation.utils import GenerationMixin
 
-    original_hook = vars(cg.AssistedCandidateGenerator)["update_candidate_strategy"]
+    original_hook = vars(GenerationMixin)["_get_candidate_generator"]
     out = tiny_home / "bench.json"
     rc = main(["bench", "--quick", "--tiny", "--dtype", "float32", "--threads", "1", "--prompts", "1",
                "--repeats", "1", "--max-tokens", "8", "--cost-reps", "3", "--out", str(out), "--no-plots"])
@@ -289,17 +427,35 @@ def test_quick_tiny_run_writes_every_field(tiny_home, capsys):
         assert r["tokens_per_s"]["min"] <= r["tokens_per_s"]["median"] <= r["tokens_per_s"]["max"]
         assert r["tokens_per_s"]["median"] > 0 and r["ttft_s"]["p50"] > 0 and r["peak_rss_mb"] > 0
         greedy = r["workload"] != "sampling"
-        if r["runner"] == "ours" or r["name"] == "hf-plain":
-            # fp32: speculative greedy output is token-identical to plain decoding.
-            assert r["identical_outputs"] is (True if greedy else None), r["name"]
+        # fp32: speculative greedy output is token-identical to plain decoding, ours and transformers'.
+        assert r["identical_outputs"] is (True if greedy else None), r["name"]
         if r["name"] == "off":
             assert r["speedup"] == 1.0 and r["mean_accepted_length"] == 1.0 and r["efficiency"] == 1.0
         if r["runner"] in ("ours", "hf") and r["mode"] not in ("off", "plain"):
             assert r["rounds"] > 0 and 0.0 <= r["acceptance_rate"] <= 1.0, r["name"]
             assert r["mean_accepted_length"] == pytest.approx(1 + r["accepted_tokens"] / r["rounds"])
             assert r["ideal_speedup"] > 0 and r["efficiency"] == pytest.approx(r["speedup"] / r["ideal_speedup"])
-            assert len(r["per_position_acceptance"]) <= max(r["k"] or 8, 8)
-        if r["name"] in ("draft-k4", "hf-assisted-k4"):
+            assert len(r["per_position_acceptance"]) <= max(r["k"] or 8, 8 if r["runner"] == "ours" else 20)
+        if r["runner"] == "hf":
+            # Every transformers round adds accepted + 1 tokens (its prefill round drafts too).
+            if r["mode"] != "plain":
+                assert r["accepted_tokens"] + r["rounds"] == r["output_tokens"], r["name"]
+            assert r["transformers_settings"]["attn_implementation"] == "sdpa"
+            assert r["speedup_vs_hf_plain"] > 0 and r["speedup_vs_hf_plain"] != r["speedup"]
+        else:
+            assert r["transformers_settings"] is None and r["speedup_vs_hf_plain"] is None
+        if r["name"] == "hf-plain":
+            assert r["speedup_vs_hf_plain"] == 1.0
+        if r["name"] == "hf-assisted-constant-k4":
+            assert r["transformers_settings"] == {
+                "candidate_generator": "AssistedCandidateGenerator", "num_assistant_tokens": 4,
+                "num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.0,
+                "confidence_threshold_adapts": False, "eos_token_id": None, "attn_implementation": "sdpa"}
+        if r["name"] == "hf-assisted-default":
+            assert (r["k"], r["schedule"]) == (None, "default")
+            assert r["transformers_settings"]["num_assistant_tokens"] == 20
+            assert r["transformers_settings"]["assistant_confidence_threshold"] == 0.4
+        if r["name"] in ("draft-k4", "hf-assisted-constant-k4"):
             assert r["drafted_tokens"] > 0 and len(r["per_position_acceptance"]) == 4 and r["mean_k"] <= 4
             assert r["c"] == report["costs"]["c"] and r["v_k"] == pytest.approx(report["costs"]["v"]["4"])
         if r["schedule"] == "adaptive":
@@ -309,7 +465,11 @@ def test_quick_tiny_run_writes_every_field(tiny_home, capsys):
         "draft >= transformers assisted", "ngram >= transformers prompt lookup", "efficiency >= 0.85",
         "auto >= 0.95x plain"}
     # The transformers hook used to count assisted rounds is restored.
-    assert vars(cg.AssistedCandidateGenerator)["update_candidate_strategy"] is original_hook
+    assert vars(GenerationMixin)["_get_candidate_generator"] is original_hook
+    assert "== transformers settings (as transformers applied them) ==" in table
+    legend = table[table.index("== transformers settings"):]
+    assert any(line.split()[:3] == ["hf-assisted-default", "AssistedCandidateGenerator:", "num_assistant_tokens=20"]
+               for line in legend.splitlines()[1:] if line.strip())
 
 
 def test_plots_are_optional(monkeypatch, tmp_path, caplog):

@@ -3,9 +3,13 @@
 Both sides ignore EOS so that every run produces exactly ``max_tokens`` tokens (as serving
 benchmarks do with ``ignore_eos``): tokens per second then compare like with like.
 
-transformers does not report acceptance, so while one of its assisted runs is in flight the
-``update_candidate_strategy`` hook every candidate generator gets after each round (with the
-round's scores and number of matches) is wrapped to record ``(drafted, accepted)``.
+transformers' runs use the engine's own model objects, switched to SDPA for the call
+(``transformers_attention``: the engine's attention gets no mask from transformers, which
+breaks multi-token forwards over a cache). transformers does not report acceptance, so while
+one of its assisted or prompt-lookup runs is in flight the candidate generator it builds is
+caught (``record_hf_rounds``): its settings are recorded, and its ``update_candidate_strategy``,
+called once after every verification with the round's logits and number of matches, counts
+``(drafted, accepted)``.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ class RunResult:
     rss_mb: float | None = None
     speculation: dict | None = None  # what a server reported (http)
     policy_summary: dict | None = None  # the speculation controller's summary (adaptive runs)
+    hf_settings: dict | None = None  # what transformers ran with (``candidate_settings``, attention)
 
     @property
     def tokens_per_s(self) -> float:
@@ -119,56 +124,116 @@ class _FirstTokenClock:
         pass
 
 
-@contextmanager
-def record_hf_rounds(mode: str | None = None) -> Iterator[list[Round]]:
-    """Record ``(drafted, accepted)`` of every transformers assisted round in the block."""
+@dataclass
+class HfRecording:
+    """What ``record_hf_rounds`` saw: the rounds, and each candidate generator's settings."""
+
+    rounds: list[Round] = field(default_factory=list)
+    settings: list[dict] = field(default_factory=list)
+
+
+def candidate_settings(generator, generation_config=None) -> dict:
+    """The settings a transformers candidate generator was built with, by transformers' names.
+
+    transformers 5.24 (``candidate_generator.AssistedCandidateGenerator.__init__``) reads
+    ``num_assistant_tokens``, ``num_assistant_tokens_schedule`` and
+    ``assistant_confidence_threshold`` from a copy of ``assistant_model.generation_config``
+    with its global defaults (20, "constant", 0.4) filled in where unset; the main call's
+    values of these are not read (its ``assistant_confidence_threshold`` is overwritten with
+    the assistant's). The threshold stops a draft early (``ConfidenceCriteria``); it adapts
+    between rounds (an ROC fit) only when scikit-learn is importable: ``confidence_threshold_adapts``.
+    """
     from transformers.generation import candidate_generator as cg
 
-    rounds: list[Round] = []
-    hook = "update_candidate_strategy"
-    originals = {c: vars(c)[hook] for c in (cg.CandidateGenerator, cg.AssistedCandidateGenerator) if hook in vars(c)}
+    out: dict = {"candidate_generator": type(generator).__name__}
+    if isinstance(generator, cg.AssistedCandidateGenerator):
+        out.update(
+            num_assistant_tokens=generator.num_assistant_tokens,
+            num_assistant_tokens_schedule=generator.assistant_generation_config.num_assistant_tokens_schedule,
+            assistant_confidence_threshold=generator.generation_config.assistant_confidence_threshold,
+            confidence_threshold_adapts=hasattr(generator, "probs"),
+        )
+    elif isinstance(generator, cg.PromptLookupCandidateGenerator):
+        out.update(prompt_lookup_num_tokens=generator.num_output_tokens,
+                   max_matching_ngram_size=generator.max_matching_ngram_size)
+    if generation_config is not None:
+        out["eos_token_id"] = generation_config.eos_token_id
+    return out
 
-    def wrap(original):
-        def update_candidate_strategy(self, input_ids, scores, num_matches):
-            # scores: [batch, candidates + 1, vocab]
-            rounds.append(Round(drafted=int(scores.shape[1]) - 1, accepted=int(num_matches), mode=mode))
-            return original(self, input_ids, scores, num_matches)
 
-        return update_candidate_strategy
+@contextmanager
+def record_hf_rounds(mode: str | None = None) -> Iterator[HfRecording]:
+    """Record every transformers assisted / prompt-lookup round in the block, and the settings
+    of the candidate generator each ``generate`` call built.
 
-    for cls, original in originals.items():
-        setattr(cls, "update_candidate_strategy", wrap(original))
+    transformers 5.24 ``GenerationMixin._assisted_decoding`` builds one candidate generator
+    per call (``_get_candidate_generator``) and, after each verification, calls its
+    ``update_candidate_strategy(input_ids, new_logits, n_matches)`` once: ``new_logits`` has
+    ``candidate_length + 1`` rows and ``n_matches`` is recomputed after the max-length / EOS
+    crop as ``valid_tokens.shape[1] - 1``. The generator caught here gets that method wrapped
+    on the instance (nothing on the classes, so a subclass calling ``super()`` counts once).
+    Every round, the first (the prompt's prefill, which also verifies a draft) included,
+    appends ``n_matches + 1`` tokens, so ``accepted + rounds == new tokens`` exactly. A round
+    that drafted nothing (lookup found no match; the draft budget was 0) is a plain step,
+    ``Round(0, 0)``. Only for prompt lookup can ``drafted`` exceed what could be kept: its
+    candidates are capped at ``max_length``, not ``max_length - 1``, and the crop keeps one
+    fewer in the last round.
+    """
+    from transformers.generation.utils import GenerationMixin
+
+    recording = HfRecording()
+    name = "_get_candidate_generator"
+    original = vars(GenerationMixin)[name]
+
+    def _get_candidate_generator(self, *args, **kwargs):
+        generator = original(self, *args, **kwargs)
+        recording.settings.append(candidate_settings(generator, kwargs.get("generation_config")))
+        update = generator.update_candidate_strategy
+
+        def update_candidate_strategy(input_ids, scores, num_matches):
+            # scores: [batch, candidate_length + 1, vocab]
+            recording.rounds.append(Round(drafted=int(scores.shape[1]) - 1, accepted=int(num_matches), mode=mode))
+            return update(input_ids, scores, num_matches)
+
+        generator.update_candidate_strategy = update_candidate_strategy
+        return generator
+
+    setattr(GenerationMixin, name, _get_candidate_generator)
     try:
-        yield rounds
+        yield recording
     finally:
-        for cls, original in originals.items():
-            setattr(cls, "update_candidate_strategy", original)
+        setattr(GenerationMixin, name, original)
 
 
 _ASSISTANT_KEYS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
 
 
 def assistant_settings(cfg: BenchConfig) -> dict:
-    """The draft's generation-config fields transformers reads for one assisted configuration.
+    """The draft's generation-config fields to set for one assisted configuration.
 
-    transformers 5.24 takes these from ``assistant_model.generation_config`` (not from the
-    ``generate`` call): a fixed k is ``constant`` with the confidence stop disabled (0).
+    transformers 5.24 reads these from ``assistant_model.generation_config`` only (see
+    ``candidate_settings``), so that is where they go. ``default`` sets nothing: transformers'
+    defaults apply (``GenerationConfig._get_default_generation_params``: 20 tokens, "constant",
+    threshold 0.4), or what the draft's own generation config says. ``constant`` is a fixed k
+    with the confidence stop off (0); ``heuristic_transient`` starts at k, +2 after a round
+    that kept every draft, -1 otherwise, reset per call, confidence stop off.
     """
     if cfg.schedule == "default":
-        from transformers import GenerationConfig
-
-        defaults = GenerationConfig._get_default_generation_params()
-        return {key: defaults[key] for key in _ASSISTANT_KEYS}
-    if cfg.schedule == "heuristic":
-        return {"num_assistant_tokens": cfg.k, "num_assistant_tokens_schedule": "heuristic_transient",
+        return {}
+    if cfg.schedule in ("constant", "heuristic_transient"):
+        return {"num_assistant_tokens": cfg.k, "num_assistant_tokens_schedule": cfg.schedule,
                 "assistant_confidence_threshold": 0.0}
-    return {"num_assistant_tokens": cfg.k, "num_assistant_tokens_schedule": "constant",
-            "assistant_confidence_threshold": 0.0}
+    raise ValueError(f"{cfg.name}: unknown transformers assistant schedule {cfg.schedule!r}")
 
 
 @contextmanager
 def _assistant_config(draft, settings: dict):
-    saved = {key: getattr(draft.generation_config, key, None) for key in settings}
+    """Set ``settings`` on the draft's generation config; restore every assistant field after
+    (transformers' "heuristic" schedule writes its last k back there)."""
+    if draft is None:
+        yield
+        return
+    saved = {key: getattr(draft.generation_config, key, None) for key in _ASSISTANT_KEYS}
     for key, value in settings.items():
         setattr(draft.generation_config, key, value)
     try:
@@ -176,6 +241,38 @@ def _assistant_config(draft, settings: dict):
     finally:
         for key, value in saved.items():
             setattr(draft.generation_config, key, value)
+
+
+@contextmanager
+def transformers_attention(*models):
+    """Run ``generate`` on the engine's models with an attention transformers builds masks for.
+
+    The engine's ``BatchRunner`` sets ``config._attn_implementation = "specdec_ragged"``,
+    which outside one of its steps falls through to SDPA. transformers 5.24 builds no mask for
+    an implementation that has no mask function (``masking_utils._preprocess_mask_arguments``:
+    ``if config._attn_implementation not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
+    return True, None, ...``), and SDPA without a mask and with more than one query runs
+    ``is_causal=True`` (``integrations/sdpa_attention.py``), which torch aligns top-left: over
+    a cache, query i sees keys 0..i only. Prefill (as many queries as keys) and one-token
+    steps come out right, so plain ``generate`` does; assisted and prompt-lookup verification
+    (``candidate_length + 1`` queries over the cache) and the assistant's first forward of a
+    round do not. Such models run as "sdpa" for the block (restored after).
+    """
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    saved = []
+    for model in models:
+        if model is None:
+            continue
+        config = model.config
+        if config._attn_implementation not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
+            saved.append((config, config._attn_implementation))
+            config._attn_implementation = "sdpa"
+    try:
+        yield
+    finally:
+        for config, implementation in reversed(saved):
+            config._attn_implementation = implementation
 
 
 def run_hf(
@@ -203,14 +300,20 @@ def run_hf(
         kwargs["prompt_lookup_num_tokens"] = cfg.k
     elif cfg.mode != "plain":
         raise ValueError(f"unknown transformers mode {cfg.mode!r}")
-    with torch.inference_mode(), record_hf_rounds(cfg.mode) as rounds, _assistant_config(draft, settings):
+    with torch.inference_mode(), record_hf_rounds(cfg.mode) as recording, _assistant_config(draft, settings), \
+            transformers_attention(model, draft if cfg.mode == "assisted" else None):
+        attention = model.config._attn_implementation
         t0 = time.perf_counter()
         out = model.generate(ids, **kwargs)
         seconds = time.perf_counter() - t0
     tokens = out[0, ids.shape[1]:].tolist()
     ttft = clock.first_token_at - t0 if clock.first_token_at is not None else None
+    if cfg.speculative and len(recording.settings) != 1:
+        raise RuntimeError(f"{cfg.name}: expected one transformers candidate generator, saw {len(recording.settings)}")
+    hf_settings = dict(recording.settings[0]) if recording.settings else {}
+    hf_settings["attn_implementation"] = attention
     return RunResult(
         config=cfg.name, prompt=prompt.key, workload=prompt.workload, repeat=repeat,
         output_ids=tokens, output_tokens=len(tokens), seconds=seconds, ttft_s=ttft,
-        rounds=list(rounds) if cfg.speculative else [], rss_mb=rss_mb(),
+        rounds=list(recording.rounds) if cfg.speculative else [], rss_mb=rss_mb(), hf_settings=hf_settings,
     )

@@ -4,7 +4,13 @@ Definitions (per configuration and workload):
 
 - ``tokens_per_s``: per repeat, all output tokens over all seconds of the workload's prompts;
   the median over repeats, with min and max. ``speedup``: median over our plain (``off``).
-- ``acceptance_rate``: accepted / drafted over the rounds after prefill;
+  ``speedup_vs_hf_plain`` (transformers rows): median over transformers' plain ``generate``
+  (``hf-plain``) on the same prompts, what a direct run of transformers compares.
+- ``transformers_settings`` (transformers rows): what its candidate generator was built with,
+  by transformers' names (``inproc.candidate_settings``), and the attention it ran with; one
+  dict when every run agrees, else the list of the distinct ones.
+- ``acceptance_rate``: accepted / drafted over the rounds after prefill (transformers' first
+  round, prefill plus the first draft's verification, counts: it drafts);
   ``mean_accepted_length``: tokens per target pass, (accepted + rounds) / rounds.
 - ``per_position_acceptance[i]``: among rounds that drafted more than i tokens, the share
   that accepted more than i (see ``ideal.per_position_acceptance``).
@@ -43,10 +49,10 @@ from specdec.stats import percentile
 
 ROW_FIELDS = (
     "name", "runner", "mode", "k", "schedule", "workload", "runs", "output_tokens",
-    "tokens_per_s", "speedup", "acceptance_rate", "mean_accepted_length", "rounds",
+    "tokens_per_s", "speedup", "speedup_vs_hf_plain", "acceptance_rate", "mean_accepted_length", "rounds",
     "drafted_tokens", "accepted_tokens", "per_position_acceptance", "mean_k", "c", "c_in_loop", "v_k",
     "ideal_speedup", "efficiency", "ttft_s", "tpot_s", "peak_rss_mb", "identical_outputs",
-    "identical_count", "compared_count", "in_process", "policy",
+    "identical_count", "compared_count", "in_process", "policy", "transformers_settings",
 )
 
 
@@ -115,6 +121,17 @@ def _policy(runs: list[RunResult]) -> dict | None:
     return total
 
 
+def _transformers_settings(runs: list[RunResult]) -> dict | list[dict] | None:
+    """The distinct settings transformers ran with over ``runs`` (one dict when they agree)."""
+    distinct: list[dict] = []
+    for r in runs:
+        if r.hf_settings is not None and r.hf_settings not in distinct:
+            distinct.append(r.hf_settings)
+    if not distinct:
+        return None
+    return distinct[0] if len(distinct) == 1 else distinct
+
+
 def _ideal(cfg: BenchConfig, rounds: list, costs: Costs, v, acceptance: float | None) -> dict:
     """c, v(k) and the ideal speedup that the measured acceptance and costs allow."""
 
@@ -150,7 +167,7 @@ def _ideal(cfg: BenchConfig, rounds: list, costs: Costs, v, acceptance: float | 
 
 def summarize(
     cfg: BenchConfig, workload: str, runs: list[RunResult], *, costs: Costs, baseline_tps: float | None,
-    references: dict[str, list[int]], greedy_prompts: set[str],
+    references: dict[str, list[int]], greedy_prompts: set[str], hf_plain_tps: float | None = None,
 ) -> dict:
     """One row of figures for ``cfg`` on ``workload`` (see the module docstring)."""
     tps = _spread(per_repeat_tokens_per_s(runs))
@@ -158,6 +175,9 @@ def summarize(
                  "schedule": cfg.schedule, "workload": workload, "in_process": cfg.in_process, "runs": len(runs),
                  "output_tokens": sum(r.output_tokens for r in runs), "tokens_per_s": tps}
     row["speedup"] = tps["median"] / baseline_tps if baseline_tps and tps["median"] is not None else None
+    row["speedup_vs_hf_plain"] = (
+        tps["median"] / hf_plain_tps if cfg.runner == "hf" and hf_plain_tps and tps["median"] is not None else None
+    )
     row.update(_acceptance(cfg, runs))
     rounds = [rd for r in runs for rd in r.rounds]
     row["mean_k"] = sum(rd.drafted for rd in rounds) / len(rounds) if rounds else None
@@ -177,6 +197,7 @@ def summarize(
     row["identical_count"], row["compared_count"] = same, len(compared)
     row["identical_outputs"] = (same == len(compared)) if compared else None
     row["policy"] = _policy(runs)
+    row["transformers_settings"] = _transformers_settings(runs) if cfg.runner == "hf" else None
     assert set(row) == set(ROW_FIELDS), set(row) ^ set(ROW_FIELDS)
     return row
 
@@ -247,14 +268,14 @@ def _ms(x) -> str:
     return _f(x * 1000 if x is not None else None, ".1f")
 
 
-HEADER = ("config", "tok/s", "min-max", "speedup", "accept", "len", "c", "v(k)", "ideal", "eff",
+HEADER = ("config", "tok/s", "min-max", "speedup", "vs hf", "accept", "len", "c", "v(k)", "ideal", "eff",
           "TTFT p50", "TPOT p50", "p95", "RSS MB", "same")
 
 
 def format_table(rows: list[dict]) -> str:
     """Rows grouped by workload, one line per configuration."""
     lines = []
-    widths = (22, 8, 13, 7, 6, 5, 5, 5, 5, 5, 8, 8, 6, 7, 5)
+    widths = (24, 8, 13, 7, 5, 6, 5, 5, 5, 5, 5, 8, 8, 6, 7, 5)
     fmt = "  ".join(f"{{:{'<' if i == 0 else '>'}{w}}}" for i, w in enumerate(widths))
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
     for w in workloads:
@@ -265,12 +286,36 @@ def format_table(rows: list[dict]) -> str:
             same = "-" if r["identical_outputs"] is None else f"{r['identical_count']}/{r['compared_count']}"
             lines.append(fmt.format(
                 r["name"], _f(t["median"], ".1f"), f"{_f(t['min'], '.1f')}-{_f(t['max'], '.1f')}",
-                _f(r["speedup"]), _f(r["acceptance_rate"]), _f(r["mean_accepted_length"]), _f(r["c"]),
-                _f(r["v_k"]), _f(r["ideal_speedup"]), _f(r["efficiency"]), _ms(r["ttft_s"]["p50"]),
-                _ms(r["tpot_s"]["p50"]), _ms(r["tpot_s"]["p95"]), _f(r["peak_rss_mb"], ".0f"), same,
+                _f(r["speedup"]), _f(r["speedup_vs_hf_plain"]), _f(r["acceptance_rate"]),
+                _f(r["mean_accepted_length"]), _f(r["c"]), _f(r["v_k"]), _f(r["ideal_speedup"]),
+                _f(r["efficiency"]), _ms(r["ttft_s"]["p50"]), _ms(r["tpot_s"]["p50"]), _ms(r["tpot_s"]["p95"]),
+                _f(r["peak_rss_mb"], ".0f"), same,
             ))
         lines.append("")
+    legend = format_transformers_settings(rows)
+    if legend:
+        lines += [legend, ""]
     return "\n".join(lines)
+
+
+def _settings_text(settings: dict) -> str:
+    shown = {k: v for k, v in settings.items() if k not in ("candidate_generator", "eos_token_id")}
+    text = " ".join(f"{k}={v}" for k, v in shown.items())
+    generator = settings.get("candidate_generator")
+    return f"{generator}: {text}" if generator else text
+
+
+def format_transformers_settings(rows: list[dict]) -> str:
+    """One line per transformers configuration: the settings its runs were built with."""
+    lines, seen = [], set()
+    for r in rows:
+        settings = r.get("transformers_settings")
+        if r["runner"] != "hf" or settings is None or r["name"] in seen:
+            continue
+        seen.add(r["name"])
+        many = settings if isinstance(settings, list) else [settings]
+        lines.append(f"  {r['name']:<24} " + " | ".join(_settings_text(s) for s in many))
+    return "\n".join(["== transformers settings (as transformers applied them) ==", *lines]) if lines else ""
 
 
 def format_targets(items: list[dict]) -> str:

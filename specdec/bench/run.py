@@ -45,7 +45,7 @@ from specdec.paths import specdec_home
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: transformers rows renamed, speedup_vs_hf_plain, transformers_settings
 WARMUP_TOKENS = 8
 
 
@@ -262,11 +262,13 @@ def _rows(opts: BenchOptions, prompts: list[Prompt], active: list[BenchConfig],
         if not off_runs:
             continue
         baseline = statistics.median(per_repeat_tokens_per_s(off_runs))
+        hf_plain_runs = [r for r in results.get("hf-plain", []) if r.workload == workload]
+        hf_plain = statistics.median(per_repeat_tokens_per_s(hf_plain_runs)) if hf_plain_runs else None
         for cfg in active:
             runs = [r for r in results[cfg.name] if r.workload == workload]
             if runs:
                 rows.append(summarize(cfg, workload, runs, costs=costs, baseline_tps=baseline,
-                                      references=references, greedy_prompts=greedy))
+                                      references=references, greedy_prompts=greedy, hf_plain_tps=hf_plain))
     return rows
 
 
