@@ -346,7 +346,7 @@ def test_hf_schedules_are_the_ones_transformers_applied(hf_engine):
     assert k4.hf_settings == {
         "candidate_generator": "AssistedCandidateGenerator", "num_assistant_tokens": 4,
         "num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.0,
-        "confidence_threshold_adapts": False, "eos_token_id": None, "attn_implementation": "sdpa"}
+        "confidence_threshold_adapts": False, "eos_token_id": None, "attn_implementation": "specdec_ragged"}
 
     heuristic, _ = _hf(engine, HF_HEURISTIC, prompt)
     k, expected = 5, []
@@ -361,7 +361,7 @@ def test_hf_schedules_are_the_ones_transformers_applied(hf_engine):
     assert default.hf_settings == {
         "candidate_generator": "AssistedCandidateGenerator", "num_assistant_tokens": 20,
         "num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.4,
-        "confidence_threshold_adapts": is_sklearn_available(), "eos_token_id": None, "attn_implementation": "sdpa"}
+        "confidence_threshold_adapts": is_sklearn_available(), "eos_token_id": None, "attn_implementation": "specdec_ragged"}
     drafted = [rd.drafted for rd in default.rounds]
     budgets = _budgets(n, default.rounds)
     assert all(1 <= d <= min(20, b) for d, b in zip(drafted, budgets))
@@ -375,9 +375,9 @@ def test_hf_schedules_are_the_ones_transformers_applied(hf_engine):
     lookup, _ = _hf(engine, HF_LOOKUP, prompt)
     assert lookup.hf_settings == {"candidate_generator": "PromptLookupCandidateGenerator",
                                   "prompt_lookup_num_tokens": 4, "max_matching_ngram_size": 2,
-                                  "eos_token_id": None, "attn_implementation": "sdpa"}
+                                  "eos_token_id": None, "attn_implementation": "specdec_ragged"}
     plain, _ = _hf(engine, HF_PLAIN, prompt)
-    assert plain.hf_settings == {"attn_implementation": "sdpa"}
+    assert plain.hf_settings == {"attn_implementation": "specdec_ragged"}
 
     # Everything the runs changed is put back: the draft's settings, the engine's attention, the hook.
     assert {key: getattr(draft.generation_config, key) for key in before} == before
@@ -440,7 +440,7 @@ def test_quick_tiny_run_writes_every_field(tiny_home, capsys):
             # Every transformers round adds accepted + 1 tokens (its prefill round drafts too).
             if r["mode"] != "plain":
                 assert r["accepted_tokens"] + r["rounds"] == r["output_tokens"], r["name"]
-            assert r["transformers_settings"]["attn_implementation"] == "sdpa"
+            assert r["transformers_settings"]["attn_implementation"] == "specdec_ragged"  # SDPA with its mask outside a step
             assert r["speedup_vs_hf_plain"] > 0 and r["speedup_vs_hf_plain"] != r["speedup"]
         else:
             assert r["transformers_settings"] is None and r["speedup_vs_hf_plain"] is None
@@ -450,7 +450,7 @@ def test_quick_tiny_run_writes_every_field(tiny_home, capsys):
             assert r["transformers_settings"] == {
                 "candidate_generator": "AssistedCandidateGenerator", "num_assistant_tokens": 4,
                 "num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.0,
-                "confidence_threshold_adapts": False, "eos_token_id": None, "attn_implementation": "sdpa"}
+                "confidence_threshold_adapts": False, "eos_token_id": None, "attn_implementation": "specdec_ragged"}
         if r["name"] == "hf-assisted-default":
             assert (r["k"], r["schedule"]) == (None, "default")
             assert r["transformers_settings"]["num_assistant_tokens"] == 20

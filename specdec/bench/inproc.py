@@ -3,9 +3,10 @@
 Both sides ignore EOS so that every run produces exactly ``max_tokens`` tokens (as serving
 benchmarks do with ``ignore_eos``): tokens per second then compare like with like.
 
-transformers' runs use the engine's own model objects, switched to SDPA for the call
-(``transformers_attention``: the engine's attention gets no mask from transformers, which
-breaks multi-token forwards over a cache). transformers does not report acceptance, so while
+transformers' runs use the engine's own model objects: outside one of the engine's steps their
+attention is SDPA's, with SDPA's mask (``specdec.batch.attention``; without that mask the
+peer's multi-token verify passes over a cache were wrong, and its rows with them). transformers
+does not report acceptance, so while
 one of its assisted or prompt-lookup runs is in flight the candidate generator it builds is
 caught (``record_hf_rounds``): its settings are recorded, and its ``update_candidate_strategy``,
 called once after every verification with the round's logits and number of matches, counts
@@ -243,38 +244,6 @@ def _assistant_config(draft, settings: dict):
             setattr(draft.generation_config, key, value)
 
 
-@contextmanager
-def transformers_attention(*models):
-    """Run ``generate`` on the engine's models with an attention transformers builds masks for.
-
-    The engine's ``BatchRunner`` sets ``config._attn_implementation = "specdec_ragged"``,
-    which outside one of its steps falls through to SDPA. transformers 5.24 builds no mask for
-    an implementation that has no mask function (``masking_utils._preprocess_mask_arguments``:
-    ``if config._attn_implementation not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
-    return True, None, ...``), and SDPA without a mask and with more than one query runs
-    ``is_causal=True`` (``integrations/sdpa_attention.py``), which torch aligns top-left: over
-    a cache, query i sees keys 0..i only. Prefill (as many queries as keys) and one-token
-    steps come out right, so plain ``generate`` does; assisted and prompt-lookup verification
-    (``candidate_length + 1`` queries over the cache) and the assistant's first forward of a
-    round do not. Such models run as "sdpa" for the block (restored after).
-    """
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-
-    saved = []
-    for model in models:
-        if model is None:
-            continue
-        config = model.config
-        if config._attn_implementation not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
-            saved.append((config, config._attn_implementation))
-            config._attn_implementation = "sdpa"
-    try:
-        yield
-    finally:
-        for config, implementation in reversed(saved):
-            config._attn_implementation = implementation
-
-
 def run_hf(
     model, draft, cfg: BenchConfig, prompt: Prompt, max_tokens: int, repeat: int, pad_token_id: int
 ) -> RunResult:
@@ -300,8 +269,7 @@ def run_hf(
         kwargs["prompt_lookup_num_tokens"] = cfg.k
     elif cfg.mode != "plain":
         raise ValueError(f"unknown transformers mode {cfg.mode!r}")
-    with torch.inference_mode(), record_hf_rounds(cfg.mode) as recording, _assistant_config(draft, settings), \
-            transformers_attention(model, draft if cfg.mode == "assisted" else None):
+    with torch.inference_mode(), record_hf_rounds(cfg.mode) as recording, _assistant_config(draft, settings):
         attention = model.config._attn_implementation
         t0 = time.perf_counter()
         out = model.generate(ids, **kwargs)
