@@ -130,8 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
-    gen.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    gen.add_argument("--draft-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                     help="auto: bfloat16 where this machine has native bf16, else float32")
+    gen.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     gen.add_argument("--early-exit-adapter", help="trained exit adapter (default: the demo's, if built)")
     gen.add_argument("--eagle-head", help="EAGLE head directory (default: the demo's)")
     gen.add_argument("--early-exit-layer", type=int, help="exit after this layer (raw exit, no adapter)")

@@ -416,6 +416,7 @@ def test_quick_tiny_run_writes_every_field(tiny_home, capsys):
     expected = [c.name for c in build_configs((4,), quick=True, http=False) if not c.name.startswith("eagle")]
     assert [s["name"] for s in report["skipped"]] == ["eagle-k4", "eagle-adaptive"]  # the tiny pair has no head
     assert report["models"]["drafters"] == ["draft", "early_exit", "ngram"]
+    assert report["models"]["dtype"] == report["models"]["dtype_used"] == "float32"
     # v(k) at --ks and below, the policy's k_max (8) and transformers' lookup default (10).
     assert report["costs"]["c"] > 0 and set(report["costs"]["v"]) == {"0", "1", "2", "3", "4", "8", "10"}
     rows = report["configurations"]

@@ -28,7 +28,7 @@ PRESETS = {
     "full": {"prompts": 2, "repeats": 2, "max_tokens": 64, "ks": (2, 4, 6), "cost_reps": 25,
              "requests_per_stream": 2},
 }
-DTYPES = ["float32", "bfloat16", "float16"]
+DTYPES = ["auto", "float32", "bfloat16", "float16"]  # auto: specdec.hardware.resolve_dtype
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -65,7 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--target", help="target model path or id (default: the demo target)")
     m.add_argument("--draft", help="draft model path or id (default: the demo or tiny draft)")
     m.add_argument("--tiny", action="store_true", help="use the tiny Llama pair (built and cached)")
-    m.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="target dtype")
+    m.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="target dtype (auto: bfloat16 where this machine has native bf16, else float32)")
     m.add_argument("--draft-dtype", default="float32", choices=DTYPES)
     m.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice; 1 with --tiny)")
     r = p.add_argument_group("what to run")
@@ -100,7 +101,7 @@ class BenchOptions:
     target: str | None = None
     draft: str | None = None
     tiny: bool = False
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     draft_dtype: str = "float32"
     threads: int | None = None
     quick: bool = False

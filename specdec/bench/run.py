@@ -281,6 +281,7 @@ def _report(bench: Bench, opts: BenchOptions, started: float, prompts: list[Prom
         "elapsed_s": time.perf_counter() - started,
         "options": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(opts).items()},
         "models": {"target": bench.target_path, "draft": bench.draft_path, "dtype": opts.dtype,
+                   "dtype_used": str(bench.engine.target_model.dtype).removeprefix("torch."),
                    "draft_dtype": opts.draft_dtype, "drafters": sorted(bench.engine.drafters),
                    "policy": policy.model_dump() if hasattr(policy, "model_dump") else None},
         "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
@@ -312,10 +313,15 @@ def _version(package: str) -> str | None:
         return None
 
 
+def _dtype(models: dict) -> str:
+    used = models.get("dtype_used", models["dtype"])
+    return f"dtype auto: {used}" if models["dtype"] == "auto" else used
+
+
 def render(report: dict) -> str:
     """The terminal view of a report."""
     parts = [
-        f"specdec bench: target {report['models']['target']} ({report['models']['dtype']}), "
+        f"specdec bench: target {report['models']['target']} ({_dtype(report['models'])}), "
         f"draft {report['models']['draft']} ({report['models']['draft_dtype']}); "
         f"drafters: {', '.join(report['models']['drafters'])}",
         "costs: target step {:.2f} ms, c = {}, v(k) = {} (context {} tokens)".format(

@@ -160,7 +160,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="SmolLM2-135M-Instruct", help="served model name (with --url)")
     p.add_argument("--target", help="target model (default: the demo pair)")
     p.add_argument("--draft", help="draft model (default: the demo pair)")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="auto", help="auto: bfloat16 where this machine has native bf16, else float32")
     p.add_argument("--modes", default="off,auto")
     p.add_argument("--concurrency", default="1,2,4,8,16")
     p.add_argument("--requests", type=int, default=2, help="requests per stream")
@@ -179,7 +179,7 @@ def _models(args) -> dict:
     paths = demo_paths()
     exit_adapter = demo_exit_adapter()
     return {"target": str(paths["target"]), "draft": str(paths["draft"]), "dtype": args.dtype,
-            "draft_dtype": "bfloat16", "early_exit_adapter": str(exit_adapter) if exit_adapter else None,
+            "draft_dtype": "auto", "early_exit_adapter": str(exit_adapter) if exit_adapter else None,
             "eagle_head": str(paths["eagle"])}
 
 
