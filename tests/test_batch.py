@@ -171,7 +171,13 @@ def test_goodput_speculation_shrinks_as_the_batch_fills():
     assert sum(allocate(strong(16), costs)) / 16 < sum(allocate(strong(2), costs)) / 2
     assert allocate(weak(8), costs) == [0] * 8  # a full batch of weak drafts decodes plainly
     fixed = allocate([Candidate(0.1, 3, "draft", fixed=True)] + weak(4), costs)
-    assert fixed[0] == 3  # an explicit k (a probe, a seeded request) is kept
+    assert fixed[0] == 3  # an explicit k (a seeded request) is kept
+    # a probe (a row in fallback, priced at the prior acceptance 0.6): it waits in a full batch of
+    # plain rows, where it would add a draft pass to every row's step, and runs in a small one
+    probe = lambda: Candidate(0.6, 2, "draft")  # noqa: E731
+    plain = lambda n: [Candidate(0.0, 0, "off", fixed=True) for _ in range(n)]  # noqa: E731
+    assert allocate([probe()] + plain(15), costs)[0] == 0
+    assert allocate([probe()] + plain(1), costs)[0] > 0
 
 
 # --- the step loop: exactness under batching ------------------------------------------------

@@ -364,8 +364,13 @@ class StepLoop:
         mode, k = policy.decide(live.rounds)
         k = draft_budget(min(k, cfg.k_max), live.req.max_tokens - len(live.out))
         seeded = live.req.params.seed is not None and not live.req.params.greedy
-        fixed = seeded or policy.probing or not policy.adaptive
-        return Candidate(policy.acceptance.get(mode, cfg.prior_acceptance), k, mode, fixed=fixed)
+        a = policy.acceptance.get(mode, cfg.prior_acceptance)
+        if policy.probing:
+            # A probe asks whether the drafter got better: in a batch it is worth what the prior
+            # says, and joins the goodput rule like any row, so it rides along when its drafter
+            # runs anyway and waits when it would add a draft pass to a full batch.
+            a = cfg.prior_acceptance
+        return Candidate(a, k, mode, fixed=seeded or not policy.adaptive)
 
     def _stop_ids(self, req: GenerationRequest) -> frozenset[int]:
         return req.stop_token_ids if req.ignore_eos else req.stop_token_ids | self.eos_token_ids

@@ -8,8 +8,8 @@ both linear and fitted online from the unit's own measurements. With per-token a
     a_i^(k_i+1) > G * dT        (G = expected tokens / T, the step's goodput so far)
 
 so speculation shrinks by itself as the batch fills (every added token delays every row) and
-comes back when the batch empties. Rows whose k is fixed (an explicit k, a probe, a seeded
-sampling request that must not depend on what it is batched with) are taken as they are.
+comes back when the batch empties. Rows whose k is fixed (an explicit k, a seeded sampling
+request that must not depend on what it is batched with) are taken as they are.
 
 Worked example (costs in ms: verify = 40 + 2.5 per token, a draft step 4 + 1 per row): one
 row with a = 0.8 starts at G = 1 / 42.5. Its 1st draft adds 0.8 tokens for 2.5 + 5 = 7.5 ms
@@ -120,7 +120,7 @@ class Candidate:
     a: float  # per-token acceptance estimate of its mode
     k_cap: int  # the most it may draft this step (its policy's k, max_tokens, k_max)
     mode: str  # the drafter it would use
-    fixed: bool = False  # take k_cap as it is (explicit k, probe, seeded sampling)
+    fixed: bool = False  # take k_cap as it is (explicit k, seeded sampling)
 
 
 def allocate(cands: list[Candidate], costs: StepCosts, other_tokens: int = 0) -> list[int]:
