@@ -198,14 +198,13 @@ class SpecRouter:
         with telemetry.request_span(carrier=req.trace_context, attributes=attrs,
                                     trust_incoming=self.args.trace_trust_incoming) as trace:
             yield Start(prompt_tokens, greq.mode, telemetry.inject(trace.span).get("traceparent"))
-            rounds, produced, finish, controller = [], 0, None, {}
+            produced, finish, controller = 0, None, {}
             start, ttft = time.perf_counter(), 0.0
             self.metrics.set_active(greq.mode, +1)
             try:
                 async for event in self.engine.astream(greq):
-                    if not rounds:
+                    if not trace.stats:
                         ttft = time.perf_counter() - start
-                    rounds.append(event.stats)
                     trace.record(event.stats)
                     self.metrics.event(event, greq.mode)
                     self.totals.observe(event.stats)
@@ -221,7 +220,7 @@ class SpecRouter:
                 self.metrics.request(greq.mode, prompt_tokens=prompt_tokens, tokens=produced,
                                      finish=finish or "error", ttft_s=ttft, total_s=time.perf_counter() - start,
                                      controller=controller)
-            summary = SpeculationSummary.from_rounds(greq.mode, rounds)
+            summary = SpeculationSummary.from_rounds(greq.mode, trace.stats)
             trace.finish(mode=summary.mode, finish_reason=finish, input_tokens=prompt_tokens, output_tokens=produced)
             yield End(finish, prompt_tokens, produced, {**summary.to_dict(), **controller},
                       trace.span.get_span_context().trace_id.to_bytes(16, "big").hex())

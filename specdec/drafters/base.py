@@ -116,9 +116,11 @@ class Chains:
         rows = self.rows
         sampled = [j for j, i in enumerate(live) if not rows[i].params.greedy]
         probs = batched_probs(logits[sampled], [rows[live[j]].params for j in sampled]) if sampled else None
-        greedy = logits.argmax(-1)
-        # a greedy token's confidence is its probability under the untempered distribution
-        greedy_conf = torch.softmax(logits.float(), -1).gather(-1, greedy[:, None])[:, 0].tolist()
+        flat = logits.float()
+        top, greedy = flat.max(-1)
+        # a greedy token's confidence: its probability under the untempered distribution,
+        # exp(max - logsumexp) without a softmax over the vocabulary
+        greedy_conf = (top - flat.logsumexp(-1)).exp().tolist()
         greedy = greedy.tolist()
         at = 0
         for j, i in enumerate(live):

@@ -38,7 +38,7 @@ from specdec.engine.plan import (
     DRAFT, DRAFT_RETRY_ROUNDS, TARGET, DraftUnavailable, Row, StepPlan, cut_round, draft_budget, round_seed,
 )
 from specdec.engine.schedule import Candidate, StepCosts, allocate
-from specdec.engine.target import StepResult, draft_rows
+from specdec.engine.target import Drafting, StepResult, draft_all, draft_rows
 from specdec.policy import PolicyConfig, SpeculationPolicy
 from specdec.sampling import SamplingParams, make_generator
 from specdec.stats import RoundStats
@@ -289,13 +289,13 @@ class StepLoop:
         started_at = time.time()
         by_key = {lv.key: lv for lv in lives}
         plan = self._plan(lives)
-        plan, loop_costs = self._draft_in_loop(plan)
+        plan, here = self._draft_in_loop(plan)
         plan, result, errors = self._verify(plan)
-        errors = {**errors, **result.draft_errors}
-        for key in result.draft_errors:
+        errors = {**errors, **here.errors, **result.draft_errors}
+        for key in {**here.errors, **result.draft_errors}:
             by_key[key].draft_retry_at = len(by_key[key].rounds) + DRAFT_RETRY_ROUNDS
-        self._observe_costs(plan, result, loop_costs)
-        costs = {**loop_costs, **result.draft_costs}
+        costs = {**here.costs, **result.draft_costs}
+        self._observe_costs(plan, result, costs)
         emitting = [r for r in plan.rows if r.emits]
         for row, verdict, confidence in zip(emitting, result.verdicts, result.confidence):
             draft_s = costs.get(row.mode, (0.0, 0))[0] if verdict.num_drafted else 0.0
@@ -383,18 +383,13 @@ class StepLoop:
 
     # --- draft and verify ---------------------------------------------------------------------
 
-    def _draft_in_loop(self, plan: StepPlan) -> tuple[StepPlan, dict[str, tuple[float, int]]]:
+    def _draft_in_loop(self, plan: StepPlan) -> tuple[StepPlan, Drafting]:
         """The drafters that run in the loop write their proposals into the plan."""
-        costs, given = {}, {}
-        for mode, drafter in self.loop_drafters.items():
-            if rows := plan.drafting(mode):
-                drafted = drafter.propose(draft_rows(rows))
-                costs[mode] = (drafted.seconds, drafted.steps)
-                given.update({r.key: p for r, p in zip(rows, drafted.proposals)})
-        if not given:
-            return plan, costs
-        return StepPlan([dataclasses.replace(r, proposal=given[r.key]) if r.key in given else r
-                         for r in plan.rows]), costs
+        here = draft_all(self.loop_drafters, plan)
+        if not here.proposals:
+            return plan, here
+        return StepPlan([dataclasses.replace(r, proposal=here.proposals[r.key]) if r.key in here.proposals else r
+                         for r in plan.rows]), here
 
     def _verify(self, plan: StepPlan) -> tuple[StepPlan, StepResult, dict[str, str]]:
         """The draft side's call (it returns at once), then the target's; a failed draft side
@@ -421,10 +416,10 @@ class StepLoop:
         self._release = [(s, k) for s, k in self._release if s != side]
         return keys
 
-    def _observe_costs(self, plan: StepPlan, result: StepResult, loop_costs: dict[str, tuple[float, int]]) -> None:
+    def _observe_costs(self, plan: StepPlan, result: StepResult, costs: dict[str, tuple[float, int]]) -> None:
         if result.tokens:
             self.costs.observe_verify(result.tokens, result.verify_s)
-        for mode, (seconds, steps) in {**loop_costs, **result.draft_costs}.items():
+        for mode, (seconds, steps) in costs.items():
             rows = len(plan.drafting(mode))
             if rows and steps and seconds > 0:
                 self.costs.observe_draft(mode, rows, seconds / steps)

@@ -46,6 +46,35 @@ def draft_rows(rows: list[Row]) -> list[DraftRow]:
     return [DraftRow(r.key, r.context, r.k, r.params, r.draft_seed, r.start, r.capacity, r.stop_below) for r in rows]
 
 
+@dataclass
+class Drafting:
+    """What a set of drafters proposed for one step: proposals by row key, (seconds, passes)
+    by mode, and why a mode's drafter failed, by row key (those rows run plainly)."""
+
+    proposals: dict[str, Proposal] = field(default_factory=dict)
+    costs: dict[str, tuple[float, int]] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+
+
+def draft_all(drafters: dict[str, BatchDrafter], plan: StepPlan) -> Drafting:
+    """Each drafter drafts its mode's rows of ``plan`` in one call. A draft failure never fails
+    a request: its rows get no proposal and say why."""
+    out = Drafting()
+    for mode, drafter in drafters.items():
+        rows = plan.drafting(mode)
+        if not rows:
+            continue
+        try:
+            drafted = drafter.propose(draft_rows(rows))
+        except Exception as exc:
+            log.exception("drafter %s failed", mode)
+            out.errors.update(dict.fromkeys((r.key for r in rows), f"{type(exc).__name__}: {exc}"))
+            continue
+        out.costs[mode] = (drafted.seconds, drafted.steps)
+        out.proposals.update({r.key: p for r, p in zip(rows, drafted.proposals)})
+    return out
+
+
 class TargetStep:
     """The verifying side of the step loop, around a ``BatchRunner`` and the drafters that
     live on it (``drafters``: mode -> a ``"target"`` drafter)."""
@@ -94,16 +123,8 @@ class TargetStep:
                                        if DRAFTERS[m].where == "draft"})
             rows = [r for r in plan.rows if r.speculates and DRAFTERS[r.mode].where == "draft"]
             proposals.update({r.key: p for r, p in zip(rows, external.proposals)})
-        for mode, drafter in self.drafters.items():
-            rows = plan.drafting(mode)
-            if not rows:
-                continue
-            try:
-                drafted = drafter.propose(draft_rows(rows))
-            except Exception as exc:  # a draft failure never fails a request: its rows run plainly
-                log.exception("drafter %s failed", mode)
-                result.draft_errors.update({r.key: f"{type(exc).__name__}: {exc}" for r in rows})
-                continue
-            result.draft_costs[mode] = (drafted.seconds, drafted.steps)
-            proposals.update({r.key: p for r, p in zip(rows, drafted.proposals)})
+        here = draft_all(self.drafters, plan)
+        proposals.update(here.proposals)
+        result.draft_costs.update(here.costs)
+        result.draft_errors.update(here.errors)
         return proposals
