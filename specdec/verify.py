@@ -23,18 +23,20 @@ The target agreed on 5, preferred 2 over 7 (recovered token 2); 9 is never reach
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 
 @dataclass(frozen=True)
 class Verdict:
-    """The outcome of one round: ``tokens`` = accepted drafts + one recovered or bonus token."""
+    """The outcome of one round: ``tokens`` = accepted drafts + one recovered or bonus token.
+    ``path``: for a token tree, the accepted nodes' flat indices (a chain's are 0 .. n-1)."""
 
     tokens: list[int]
     num_accepted: int
     num_drafted: int
+    path: tuple[int, ...] | None = field(default=None, repr=False)
 
     @property
     def bonus(self) -> bool:

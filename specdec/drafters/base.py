@@ -16,6 +16,7 @@ from typing import Protocol
 
 import torch
 
+from specdec import trees
 from specdec.batch.verify import batched_probs
 from specdec.sampling import SamplingParams, make_generator
 
@@ -28,14 +29,26 @@ class Proposal:
     probs:      [k', vocab] the processed q rows, or None (point masses: prompt lookup, greedy).
     confidence: [k'] the drafter's probability of each of its own tokens, or () for a drafter
                 without a distribution (prompt lookup).
+    parents:    None for a chain; for a token tree (``specdec.trees``) [k'] each node's parent
+                (-1: a child of the pending token). A tree's candidates are chosen from the
+                drafter's own distribution, never drawn from it: it carries ``probs=None`` and
+                verification treats every node as a point mass (exact; ``specdec.batch.verify``).
     """
 
     tokens: list[int]
     probs: torch.Tensor | None = None
     confidence: tuple[float, ...] = ()
+    parents: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         assert self.probs is None or self.probs.shape[0] == len(self.tokens), (self.probs.shape, len(self.tokens))
+        if self.parents is not None:
+            assert len(self.parents) == len(self.tokens) and self.probs is None, (self.parents, len(self.tokens))
+
+    @property
+    def depth(self) -> int:
+        """The longest root path: the most drafts a round can accept."""
+        return max(trees.depths(self.parents), default=0) if self.parents is not None else len(self.tokens)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -49,7 +62,8 @@ class DraftRow:
     """One row to draft for: ``context`` is the sequence's full ids (its last token not yet
     fed to the target), ``start`` / ``capacity`` its pool range (a drafter with a cache lays
     it out like the target's). ``stop_below``: the row's chain stops once the product of the
-    drafter's probabilities of its own tokens so far falls below it (0: draft all ``k``)."""
+    drafter's probabilities of its own tokens so far falls below it (0: draft all ``k``).
+    ``nodes``: 0 for a chain of ``k``; else a token tree of at most ``nodes`` nodes and depth ``k``."""
 
     key: str
     context: list[int]
@@ -59,6 +73,7 @@ class DraftRow:
     start: int = 0
     capacity: int = 0
     stop_below: float = 0.0
+    nodes: int = 0
 
 
 @dataclass
