@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from specdec import __version__
 from specdec.hardware import resolve_dtype
 
-Mode = Literal["auto", "draft", "ngram", "early_exit", "eagle", "off"]  # what a request or a config may ask for
+Mode = Literal["auto", "draft", "draft_tree", "ngram", "early_exit", "eagle", "eagle_tree", "off"]  # what a request or a config may ask for
 MODES: tuple[str, ...] = get_args(Mode)
 DType = Literal["auto", "float32", "bfloat16", "float16"]  # auto: specdec.hardware.resolve_dtype
 
@@ -115,6 +115,12 @@ class SpeculationConfig(_Strict):
         description="early_exit stops drafting a round after a token whose exit probability is below "
         "this (adaptive draft length at no extra cost); 0 always drafts k. Higher saves draft steps "
         "that would likely be rejected, but also cuts rounds that would have been accepted.",
+    )
+
+    tree_width: int = Field(
+        4, ge=1, le=16, description="Token trees (modes draft_tree, eagle_tree): each expanded node's "
+        "most likely tokens tried, and nodes expanded per level. Wider trees hold the target's token "
+        "more often and cost more draft rows per pass."
     )
 
     @model_validator(mode="before")

@@ -6,7 +6,9 @@ With per-token acceptance ``a``, a round of ``k`` drafts yields on average
 
 and costs ``k * c + v(k)`` plain target steps, where ``c`` is a draft step's cost and
 ``v(k)`` a (k+1)-token verify pass's, both relative to one plain step. The expected speedup
-of a round is ``S(a, k) = E(a, k) / (k c + v(k))``. The policy picks the ``k`` in
+of a round is ``S(a, k) = E(a, k) / (k c + v(k))``. A tree mode's ``a`` is per level (the target
+took one of a node's candidates) and its ``k`` the tree's depth; it verifies its ``N`` nodes
+whatever ``k``: ``S = E(a, k) / (k c + v(N))``. The policy picks the ``k`` in
 ``[1, k_max]`` that maximises ``S``; when even that is below ``1 + margin_off`` it decodes
 plainly, probes with one speculative round every ``probe_interval`` plain tokens, and goes
 back only when ``S`` clears the higher ``1 + margin_on`` (hysteresis: no flapping).
@@ -72,6 +74,11 @@ class PolicyConfig(BaseModel):
     probe_interval: int = Field(16, ge=1, description="Plain tokens between probe rounds.")
     ewma: float = Field(0.3, gt=0, le=1, description="Weight of the newest round in estimates.")
     prior_acceptance: float = Field(0.6, ge=0, le=1, description="a before any round is seen.")
+    tree_nodes: int = Field(
+        16, ge=1, le=64, description="A tree mode's (draft_tree, eagle_tree) nodes per round, its depth k: "
+        "the target verifies them all in one pass, so more nodes hold the target's token more often "
+        "and cost verify tokens (nearly free while a pass is memory-bound: a GPU, a small batch)."
+    )
     confidence_stop: bool = Field(
         True, description="An adaptive request's draft chain stops where the drafter's own confidence "
         "says one more draft would not pay (drafts with a distribution; a request's explicit k is kept whole)."
@@ -103,6 +110,7 @@ class SpeculationPolicy:
     config: Callable[[], PolicyConfig]  # read every round: operator flags apply live
     k_request: int | None = None  # a request's explicit k (capped at k_max)
     adaptive: bool = True  # False: the request asked for a fixed mode and k
+    tree_modes: frozenset[str] = frozenset()  # modes that draft token trees (k = depth, config tree_nodes nodes)
     active: str = ""  # the drafter chosen last
     acceptance: dict[str, float] = field(default_factory=dict)
     plain: bool = False  # in fallback
@@ -125,12 +133,14 @@ class SpeculationPolicy:
                 # Per-token acceptance a = accepted / (accepted + rejections), each an EWMA over
                 # rounds: a round with many trials weighs more than one that failed at once.
                 acc, rej = self._trials.get(r.mode, (cfg.prior_acceptance, 1 - cfg.prior_acceptance))
-                rejected = 0 if r.accepted == r.drafted else 1
+                # A tree's a is per level: did the target take one of the candidates at each depth.
+                full = r.accepted >= r.k if r.mode in self.tree_modes else r.accepted == r.drafted
+                rejected = 0 if full else 1
                 acc = (1 - cfg.ewma) * acc + cfg.ewma * r.accepted
                 rej = (1 - cfg.ewma) * rej + cfg.ewma * rejected
                 self._trials[r.mode] = (acc, rej)
                 self.acceptance[r.mode] = acc / (acc + rej) if acc + rej > 0 else cfg.prior_acceptance
-                if r.confidence:
+                if r.confidence and r.mode not in self.tree_modes:
                     self._calibrate(r, cfg.ewma)
             if r.k == 0 and r.mode != "prefill":
                 self.plain_tokens += r.emitted
@@ -175,6 +185,8 @@ class SpeculationPolicy:
             a = self.acceptance.get(mode, cfg.prior_acceptance)
             c = self.costs.c(mode)
             v = self.costs.v
+            if mode in self.tree_modes:  # depth k, the same nodes whatever k: one verify of them all
+                v = lambda k, nodes=cfg.tree_nodes: self.costs.v(nodes)  # noqa: E731
             if self.adaptive:
                 k, s = best_k(a, c, v, k_max)
             else:

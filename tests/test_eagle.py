@@ -80,6 +80,25 @@ def test_greedy_equals_plain_decoding(engine, k):
     assert accepted > 50, accepted
 
 
+@pytest.mark.parametrize("nodes,width,k", [(8, 2, 3), (16, 4, 5)])
+def test_eagle_tree_greedy_equals_plain_decoding(engine, nodes, width, k):
+    """EAGLE-2-style dynamic trees from the head: the same tokens, longer accepted paths."""
+    from specdec.policy import PolicyConfig
+
+    engine.policy_config = PolicyConfig(tree_nodes=nodes)
+    engine.loop.target.drafters["eagle"].tree_width = width
+    accepted = {"eagle": 0, "eagle_tree": 0}
+    for prompt in PROMPTS[:8]:
+        ids = engine.encode(prompt=prompt)
+        plain = engine.generate(ids, max_tokens=30, mode="off")
+        for mode in accepted:
+            spec = engine.generate(ids, max_tokens=30, mode=mode, k=k)
+            assert spec.token_ids == plain.token_ids, (prompt, mode, nodes, width, k)
+            accepted[mode] += spec.speculation.accepted_tokens
+    engine.policy_config = PolicyConfig()
+    assert accepted["eagle_tree"] >= accepted["eagle"] > 50, accepted
+
+
 def test_eagle_in_a_batch_with_other_modes_and_auto(engine):
     """Rows of every mode share steps; each gets its plain tokens; auto may choose eagle."""
     import threading
@@ -96,7 +115,7 @@ def test_eagle_in_a_batch_with_other_modes_and_auto(engine):
     [t.join(timeout=120) for t in threads]
     assert [got[j] for j in range(len(ids))] == plain
     policy = engine.loop._new_policy(engine.request(ids[0], max_tokens=1, mode="auto"))
-    assert set(policy.modes) == {"ngram", "eagle"}
+    assert set(policy.modes) == {"ngram", "eagle", "eagle_tree"}
 
 
 def test_sampled_eagle_has_the_target_distribution(engine, monkeypatch):

@@ -32,7 +32,7 @@ _BOUND = threading.local()
 class RaggedRow:
     """Row r of a step: its queries are flat tokens [t0, t0 + q); its keys pool rows
     [start, start + n), the last q of them its own new tokens. ``mask``: [q, n] bool (True =
-    attend), None when q == 1 (the one query sees every key)."""
+    attend), None when every query sees every key before it (one query, no token tree)."""
 
     t0: int
     q: int
@@ -67,7 +67,7 @@ def ragged_attention(module, query, key, value, attention_mask, dropout: float =
         q = query[:, :, r.t0: r.t0 + r.q]
         k = key[:, r.start: r.start + r.n].unsqueeze(0)  # a view: [1, Hkv, n, D]
         v = value[:, r.start: r.start + r.n].unsqueeze(0)
-        if r.q == 1 and groups > 1:
+        if r.q == 1 and groups > 1 and r.mask is None:
             # One query: fold the heads that share a key head into its query rows (no repeat).
             packed = q.reshape(1, kv_heads, groups, dim)
             out = F.scaled_dot_product_attention(packed, k, v, scale=scaling)

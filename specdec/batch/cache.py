@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache
 
+from specdec import trees
 from specdec.batch import attention
 
 
@@ -81,11 +82,41 @@ def kv_shape(config) -> tuple[int, int, int]:
 
 @dataclass
 class RowPlan:
-    """One row of a step: the sequence's pool range, tokens it keeps, tokens it feeds."""
+    """One row of a step: the sequence's pool range, tokens it keeps, tokens it feeds.
+
+    A row whose last tokens are a token tree (``specdec.trees``) says where the tree begins
+    (``tree_at``: the context's length ``n``) and every node's parent, kept nodes included:
+    node ``i`` is token ``n + i`` of the row (pool slot ``start + n + i``), at position
+    ``n - 1 + depth(i)``, and attends to the context and its own ancestors only.
+    """
 
     start: int  # first pool row of the sequence
     keep: int  # tokens already in the cache that stay (the rest is rolled back)
     feed: int  # new tokens this step
+    tree_at: int = 0  # with parents: the index of the tree's first node
+    parents: tuple[int, ...] | None = None  # the tree's nodes' parents (-1: the root, token n - 1)
+
+
+def _tree_rows(row: RowPlan, q: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions [feed] and the attention mask [feed, keep + feed] of a row ending in a tree:
+    a node's position is its depth below the root, and it sees the context and its ancestors."""
+    n, at = row.keep + row.feed, row.tree_at
+    parents = row.parents
+    depth = trees.depths(parents)
+    q = q.clone()
+    if mask is None:
+        mask = torch.ones(1, n, dtype=torch.bool)
+    for j in range(row.feed):
+        i = row.keep + j - at  # the node this fed token is (negative: a context token)
+        if i < 0:
+            continue
+        q[j] = at - 1 + depth[i]
+        mask[j, at:] = False
+        node = i
+        while node != trees.ROOT:
+            mask[j, at + node] = True
+            node = parents[node]
+    return q, mask
 
 
 class FlatBatchCache(Cache):
@@ -122,13 +153,15 @@ class FlatBatchCache(Cache):
         q_pos, write, ragged, t0 = [], [], [], 0
         for row in rows:
             q = torch.arange(row.keep, row.keep + row.feed)
-            q_pos.append(q)
             write.append(row.start + q)
             n = row.keep + row.feed
             mask = None
             if row.feed > 1:  # causal among the row's own new tokens
-                mask = (torch.arange(n)[None, :] <= q[:, None]).to(dev)
-            ragged.append(attention.RaggedRow(t0, row.feed, row.start, n, mask))
+                mask = torch.arange(n)[None, :] <= q[:, None]
+            if row.parents is not None and n > row.tree_at:
+                q, mask = _tree_rows(row, q, mask)
+            q_pos.append(q)
+            ragged.append(attention.RaggedRow(t0, row.feed, row.start, n, None if mask is None else mask.to(dev)))
             t0 += row.feed
         self._write = torch.cat(write).to(dev)
         attention.bind(ragged)

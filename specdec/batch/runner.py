@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec import trees
 from specdec.batch.attention import use_ragged
 from specdec.batch.cache import FlatBatchCache, RowPlan, kv_shape
 from specdec.loading import model_max_length
@@ -41,6 +42,9 @@ class BatchRow:
     ``ids``: the tokens the cache must hold afterwards (the caller's truth);
     ``num_logits``: logits wanted for the last this-many positions (0 for a prefill chunk
     that produces no token); ``capacity``: pool rows to reserve if the sequence is new.
+    ``parents``: the last ``len(parents)`` ids are a token tree (``specdec.trees``), not a
+    continuation: the cache then holds them as a tree until the sequence goes on along one
+    of its paths (``accept`` moves that path's entries into place).
     """
 
     key: str
@@ -48,13 +52,29 @@ class BatchRow:
     num_logits: int = 1
     start: int = 0  # first pool row of the sequence's range (the step loop's allocator decides)
     capacity: int = 0  # rows in that range
+    parents: tuple[int, ...] | None = None
+
+    @property
+    def tree_at(self) -> int:
+        return len(self.ids) - len(self.parents) if self.parents is not None else len(self.ids)
+
+
+@dataclass
+class _Tree:
+    """A token tree the cache holds after a sequence's first ``n`` tokens: node ``i`` at slot
+    ``start + n + i``."""
+
+    n: int
+    tokens: list[int]
+    parents: tuple[int, ...]
 
 
 @dataclass
 class _Seq:
     start: int
     capacity: int
-    ids: list[int] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)  # the tokens cached as a sequence (a tree's context)
+    tree: _Tree | None = None
 
 
 def default_capacity(config, dtype: torch.dtype, device: torch.device, max_length: int | None) -> int:
@@ -153,6 +173,41 @@ class BatchRunner:
             seq = self._seqs.get(key)
             if seq is not None:
                 del seq.ids[length:]
+                if seq.tree is not None and length < seq.tree.n:
+                    seq.tree = None
+
+    def accept(self, paths: list[tuple[str, list[int]]]) -> None:
+        """Each sequence goes on along ``path`` (node indices) of the tree it holds: the path's
+        keys, values and features move to the slots right after the context, in one copy per
+        layer for all rows, and the rest of the tree is dropped."""
+        with self._lock:
+            src, dst = [], []
+            for key, path in paths:
+                seq = self._seqs.get(key)
+                if seq is None or seq.tree is None:
+                    continue
+                tree, base = seq.tree, seq.start + seq.tree.n
+                moved = [(base + p, base + j) for j, p in enumerate(path) if p != j]
+                src.extend(m[0] for m in moved)
+                dst.extend(m[1] for m in moved)
+                seq.ids = seq.ids[: tree.n] + [tree.tokens[p] for p in path]
+                seq.tree = None
+            if not src:
+                return
+            s = torch.tensor(src, device=self.device)
+            d = torch.tensor(dst, device=self.device)
+            for keys, values in zip(self.cache.keys, self.cache.values):  # [heads, tokens, dim]
+                keys[:, d] = keys[:, s]
+                values[:, d] = values[:, s]
+            if self.features is not None:
+                self.features[d] = self.features[s]
+
+    def _settle(self, seq: _Seq, key: str, ids: list[int]) -> None:
+        """A sequence that held a tree and now goes on: keep the path ``ids`` takes through it."""
+        tree = seq.tree
+        if len(ids) > tree.n and ids[: tree.n] == seq.ids[: tree.n] and len(seq.ids) >= tree.n:
+            self.accept([(key, trees.follow(tree.tokens, tree.parents, ids[tree.n:]))])
+        seq.tree = None
 
     def _plan_row(self, row: BatchRow) -> tuple[_Seq, RowPlan] | None:
         assert 0 <= row.num_logits <= len(row.ids), (row.num_logits, len(row.ids))
@@ -163,11 +218,21 @@ class BatchRunner:
             seq = self._seqs[row.key] = _Seq(row.start, row.capacity)  # new, or restarted elsewhere
         if len(row.ids) > seq.capacity:
             raise ValueError(f"sequence {row.key} needs {len(row.ids)} tokens; it reserved {seq.capacity}")
-        keep = min(common_prefix_len(seq.ids, row.ids), len(row.ids) - row.num_logits)
-        del seq.ids[keep:]
+        at, held = row.tree_at, seq.tree
+        if held is not None and row.parents is not None and held.n == at and seq.ids[:at] == row.ids[:at] \
+                and row.parents[: len(held.parents)] == held.parents and row.ids[at: at + len(held.tokens)] == held.tokens:
+            keep = at + len(held.tokens)  # the same tree, grown: keep its nodes
+        else:
+            if held is not None:
+                self._settle(seq, row.key, row.ids)
+            keep = min(common_prefix_len(seq.ids, row.ids), at)
+        keep = min(keep, len(row.ids) - row.num_logits)
+        if keep < at:
+            seq.tree = None
+            del seq.ids[keep:]
         if keep == len(row.ids):
             return None  # nothing to feed, no logits asked
-        return seq, RowPlan(seq.start, keep, len(row.ids) - keep)
+        return seq, RowPlan(seq.start, keep, len(row.ids) - keep, at, row.parents)
 
     @torch.inference_mode()
     def forward(self, rows: list[BatchRow]) -> list[torch.Tensor]:
@@ -206,7 +271,9 @@ class BatchRunner:
         at = 0
         for i, seq, plan in planned:
             row = rows[i]
-            seq.ids = list(row.ids)
+            seq.ids = list(row.ids[: row.tree_at])
+            if row.parents is not None:
+                seq.tree = _Tree(row.tree_at, list(row.ids[row.tree_at:]), tuple(row.parents))
             out[i] = logits[at: at + row.num_logits]
             at += row.num_logits
         return out

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec import trees
 from specdec.sampling import SamplingParams, make_generator
 from specdec.verify import Verdict, acceptance_probs, residual_distribution
 
@@ -43,6 +44,14 @@ class VerifyRow:
     q: torch.Tensor | None = None
     suppress: tuple[int, ...] = ()
     suppress_for: int = 0
+    parents: tuple[int, ...] | None = None  # the drafts are a token tree (``specdec.trees``)
+
+    @property
+    def depths(self) -> list[int]:
+        """[k + 1] each scored position's depth below the row's pending token (0: the root)."""
+        if self.parents is None:
+            return list(range(len(self.drafts) + 1))
+        return [0, *trees.depths(self.parents)]
 
 
 def batched_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -90,7 +99,8 @@ def verify_batch(rows: list[VerifyRow], logits: torch.Tensor) -> list[Verdict]:
     if greedy:
         argmax = logits.argmax(-1)  # [N]: one pass for every greedy row
         for i in greedy:
-            verdicts[i] = _match(rows[i].drafts, argmax[starts[i]: starts[i + 1]])
+            match = _match if rows[i].parents is None else _match_tree
+            verdicts[i] = match(rows[i], argmax[starts[i]: starts[i + 1]])
 
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
     if sampled:
@@ -101,7 +111,7 @@ def verify_batch(rows: list[VerifyRow], logits: torch.Tensor) -> list[Verdict]:
         for i in sampled:
             p = p_all[at: at + sizes[i]]
             at += sizes[i]
-            verdicts[i] = _reject_sample(rows[i], p)
+            verdicts[i] = (_reject_sample if rows[i].parents is None else _sample_tree)(rows[i], p)
     return verdicts  # type: ignore[return-value]
 
 
@@ -111,15 +121,17 @@ def _suppress(rows: list[VerifyRow], logits: torch.Tensor, starts: list[int]) ->
     masked = None
     for i, row in enumerate(rows):
         ids = [t for t in row.suppress if 0 <= t < vocab]
-        n = min(row.suppress_for, starts[i + 1] - starts[i])
-        if ids and n > 0 and len(ids) < vocab:  # never every token: p must stay a distribution
-            masked = logits.clone() if masked is None else masked
-            masked[starts[i]: starts[i] + n, ids] = -math.inf
+        if not (ids and row.suppress_for > 0 and len(ids) < vocab):  # never every token: p stays a distribution
+            continue
+        at = [starts[i] + j for j, d in enumerate(row.depths) if d < row.suppress_for]
+        masked = logits.clone() if masked is None else masked
+        masked[torch.tensor(at)[:, None], torch.tensor(ids)[None, :]] = -math.inf
     return logits if masked is None else masked
 
 
-def _match(drafts: list[int], argmax: torch.Tensor) -> Verdict:
+def _match(row: VerifyRow, argmax: torch.Tensor) -> Verdict:
     """Greedy: the longest prefix of drafts the target agrees with, then its own token."""
+    drafts = row.drafts
     k = len(drafts)
     target = argmax.tolist()
     n = 0
@@ -151,3 +163,66 @@ def _reject_sample(row: VerifyRow, p: torch.Tensor) -> Verdict:
         last_row = p[k]
     last = int(torch.multinomial(last_row, 1, generator=generator))
     return Verdict(tokens=row.drafts[:n] + [last], num_accepted=n, num_drafted=k)
+
+
+def _match_tree(row: VerifyRow, argmax: torch.Tensor) -> Verdict:
+    """Greedy over a tree: from the root, follow the child whose token is the target's argmax
+    at its parent; the first node without one gives the target's own token.
+
+    argmax: [1 + N] the target's token at the root and at every node.
+    """
+    target = argmax.tolist()
+    path, node = [], trees.ROOT
+    while True:
+        want = target[node + 1]
+        nxt = next((c for c in trees.children(row.parents, node) if row.drafts[c] == want), None)
+        if nxt is None:
+            tokens = [row.drafts[c] for c in path] + [want]
+            return Verdict(tokens=tokens, num_accepted=len(path), num_drafted=len(row.drafts), path=tuple(path))
+        path.append(nxt)
+        node = nxt
+
+
+def remove_candidate(p: torch.Tensor, token: int) -> torch.Tensor:
+    """The residual after a rejected point-mass candidate: ``norm(max(p - delta_token, 0))``,
+    i.e. ``p`` with ``token`` removed and renormalised (``specdec.verify.residual_distribution``
+    with ``q = None``)."""
+    r = p.clone()
+    r[token] = 0.0
+    total = r.sum()
+    return r / total if total > 0 else p
+
+
+def _sample_tree(row: VerifyRow, p: torch.Tensor) -> Verdict:
+    """Exact sampling over a token tree: multi-candidate speculative sampling (SpecInfer's
+    multi-step speculative sampling, Miao et al. 2024; EAGLE's recursive rejection sampling)
+    with every candidate a point mass.
+
+    At a node with candidate children ``x_1 .. x_m`` (distinct tokens, chosen from the drafter's
+    own distribution, never from ``p``): accept ``x_1`` with probability ``p(x_1)``; if it is
+    rejected, ``p <- norm(p without x_1)`` and try ``x_2`` the same way, and so on; an accepted
+    child becomes the node, and when none is accepted the last residual gives the token. Each
+    step returns ``x_j`` with probability ``prod_{i<j} (1 - p'(x_i)) * p'(x_j)``, which is
+    ``p(x_j)``, and any other token with probability ``p(y)``: the output is ``p`` exactly, and
+    a set of candidates holds the target's token with probability ``sum_j p(x_j)``.
+
+    p: [1 + N, vocab] the target's processed distribution at the root and every node.
+    """
+    generator = make_generator(row.seed)
+    path, node = [], trees.ROOT
+    while True:
+        cur = p[node + 1]
+        accepted = None
+        for c in trees.children(row.parents, node):
+            x = row.drafts[c]
+            u = float(torch.rand(1, generator=generator, dtype=cur.dtype))
+            if u < float(cur[x]):
+                accepted = c
+                break
+            cur = remove_candidate(cur, x)
+        if accepted is None:
+            last = int(torch.multinomial(cur, 1, generator=generator))
+            tokens = [row.drafts[c] for c in path] + [last]
+            return Verdict(tokens=tokens, num_accepted=len(path), num_drafted=len(row.drafts), path=tuple(path))
+        path.append(accepted)
+        node = accepted

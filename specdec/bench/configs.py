@@ -35,6 +35,8 @@ OUR_MODES: dict[str, tuple[str, ...]] = {
     "ngram": ("fixed", "adaptive"),
     "early_exit": ("fixed",),
     "eagle": ("fixed", "adaptive"),
+    "draft_tree": ("fixed", "adaptive"),
+    "eagle_tree": ("fixed", "adaptive"),
     "auto": ("adaptive",),
 }
 
@@ -75,7 +77,7 @@ class BenchConfig:
 
     @property
     def needs_draft_model(self) -> bool:
-        return self.mode in ("draft", "assisted")
+        return self.mode in ("draft", "draft_tree", "assisted")
 
 
 def _mid(ks: tuple[int, ...]) -> int:

@@ -166,9 +166,11 @@ def _run(bench: Bench, opts: BenchOptions, started: float) -> dict:
     prompts = _prompts(bench, opts)
     active, skipped = _configurations(bench, opts)
     log.info("measuring c and v(k) on a %d-token context", len(_cost_context(prompts)))
-    # v(k) at every k the runs use: --ks, the policy's largest k, transformers' lookup default.
-    k_max = getattr(getattr(bench.engine, "policy_config", None), "k_max", 8)
-    cost_ks = sorted(set(range(1, max(opts.ks) + 1)) | {k_max, HF_LOOKUP_DEFAULT_TOKENS})
+    # v(k) at every k the runs use: --ks, the policy's largest k, transformers' lookup default,
+    # a tree mode's nodes.
+    policy = getattr(bench.engine, "policy_config", None)
+    k_max, nodes = getattr(policy, "k_max", 8), getattr(policy, "tree_nodes", 16)
+    cost_ks = sorted(set(range(1, max(opts.ks) + 1)) | {k_max, HF_LOOKUP_DEFAULT_TOKENS, nodes})
     costs = measure_costs(bench.target_model, bench.draft_model, _cost_context(prompts), cost_ks,
                           reps=opts.cost_reps)
     _warm_up(bench, opts, prompts[0], active, skipped)

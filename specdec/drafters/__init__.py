@@ -6,6 +6,9 @@ the unit's process or the DraftWorker) or ``"target"`` (the target's own pool an
 next to the target, in the TargetWorker in ``actors`` mode). The step loop, the target's step
 and the engine's builders read this table and nothing else; adding a drafter is a file here,
 an entry below and its name in ``specdec.config.Mode``.
+
+A tree mode (``draft_tree``, ``eagle_tree``) is its chain drafter asked for token trees: its
+entry names the drafter it shares (``tree_of``) and builds nothing of its own.
 """
 
 from __future__ import annotations
@@ -34,7 +37,12 @@ class DrafterKind:
 
     where: Where
     offered: Callable[[ModelConfig], bool]
-    build: Callable[[ModelConfig, SpeculationConfig, BatchRunner | None, int], BatchDrafter]
+    build: Callable[[ModelConfig, SpeculationConfig, BatchRunner | None, int], BatchDrafter] | None
+    tree_of: str | None = None  # a tree mode: the drafter it asks for trees
+
+    @property
+    def trees(self) -> bool:
+        return self.tree_of is not None
 
 
 def _ngram(models: ModelConfig, spec: SpeculationConfig, target, capacity: int) -> NgramDrafter:
@@ -45,7 +53,7 @@ def _draft(models: ModelConfig, spec: SpeculationConfig, target, capacity: int) 
     """The draft model on a pool of the target's size (the step loop lays out both alike)."""
     model = load_model(models.draft, models.draft_dtype, models.device, revision=models.draft_revision,
                        trust_remote_code=models.trust_remote_code)
-    return ModelDrafter(BatchRunner(model, capacity_tokens=capacity))
+    return ModelDrafter(BatchRunner(model, capacity_tokens=capacity), spec.tree_width)
 
 
 def _early_exit(models: ModelConfig, spec: SpeculationConfig, target: BatchRunner, capacity: int) -> EarlyExitDrafter:
@@ -54,16 +62,24 @@ def _early_exit(models: ModelConfig, spec: SpeculationConfig, target: BatchRunne
 
 
 def _eagle(models: ModelConfig, spec: SpeculationConfig, target: BatchRunner, capacity: int) -> EagleDrafter:
-    return EagleDrafter(target, load_eagle_head(models.eagle_head, target.model, DTYPES[models.eagle_dtype]))
+    return EagleDrafter(target, load_eagle_head(models.eagle_head, target.model, DTYPES[models.eagle_dtype]),
+                        spec.tree_width)
 
 
 DRAFTERS: dict[str, DrafterKind] = {
     "ngram": DrafterKind("loop", lambda m: True, _ngram),
     "draft": DrafterKind("draft", lambda m: bool(m.draft), _draft),
+    "draft_tree": DrafterKind("draft", lambda m: bool(m.draft), None, tree_of="draft"),
     "early_exit": DrafterKind("target", lambda m: bool(m.early_exit_adapter or m.early_exit_layer is not None),
                               _early_exit),
     "eagle": DrafterKind("target", lambda m: bool(m.eagle_head), _eagle),
+    "eagle_tree": DrafterKind("target", lambda m: bool(m.eagle_head), None, tree_of="eagle"),
 }
+
+
+def drafter_of(mode: str) -> str:
+    """The drafter a mode drafts with (a tree mode's chain drafter)."""
+    return DRAFTERS[mode].tree_of or mode
 
 
 def offered_modes(models: ModelConfig) -> list[str]:
@@ -73,6 +89,6 @@ def offered_modes(models: ModelConfig) -> list[str]:
 
 def build_drafters(where: Where, models: ModelConfig, spec: SpeculationConfig, target: BatchRunner | None,
                    capacity: int) -> dict[str, BatchDrafter]:
-    """The offered drafters that run ``where``."""
+    """The offered drafters that run ``where``, by the name tree modes share (``drafter_of``)."""
     return {mode: kind.build(models, spec, target, capacity) for mode, kind in DRAFTERS.items()
-            if kind.where == where and kind.offered(models)}
+            if kind.where == where and kind.offered(models) and kind.build is not None}

@@ -10,8 +10,9 @@ exact. The verifier never asks which drafter it has.
 
 from __future__ import annotations
 
+import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -158,3 +159,115 @@ class Chains:
         proposals = [Proposal(t, torch.stack(q) if q else None, tuple(c))
                      for t, q, c in zip(self.tokens, self.qs, self.confidence)]
         return Drafted(proposals, time.perf_counter() - self.began, self.steps)
+
+
+@dataclass
+class _Grown:
+    """One row's tree while it grows: every candidate node (``tokens``, ``parents``, ``value``:
+    the sum of the drafter's log-probabilities along its path, ``confidence``), and the nodes
+    already fed to the drafter, in feed order (``fed``: node indices; a drafter's cache holds
+    them as the tree ``fed_parents``)."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    value: list[float] = field(default_factory=list)
+    confidence: list[float] = field(default_factory=list)
+    fed: list[int] = field(default_factory=list)
+    fed_parents: list[int] = field(default_factory=list)
+    frontier: list[int] = field(default_factory=lambda: [trees.ROOT])
+    depth: int = 0
+
+
+class Trees:
+    """The draft trees of one step being built, EAGLE-2 style (Li et al. 2024, "dynamic draft
+    trees"): each pass scores a row's frontier (at first its pending token); every frontier
+    node's ``width`` most likely tokens become candidates, valued by the sum of log-probabilities
+    on their path (the drafter's estimate of the chance the target takes that path); the
+    ``width`` best new candidates are the next frontier. After at most ``k`` passes the row
+    proposes its ``nodes`` best candidates, which always include their ancestors.
+
+    A frontier node that cannot enter the final tree (its value is below the ``nodes``-th best
+    so far, and its descendants' values are lower still) is not expanded, so a confident
+    drafter's tree stops early. Candidates are the drafter's top tokens, never samples: the
+    proposal is a set of point masses, which exact verification of trees needs
+    (``specdec.batch.verify``). Sampled rows rank by their processed distribution ``q``.
+    """
+
+    def __init__(self, rows: list[DraftRow], width: int):
+        self.rows, self.width = rows, width
+        self.grown = [_Grown() for _ in rows]
+        self.steps = 0
+        self.began = time.perf_counter()
+
+    def live(self) -> list[int]:
+        """The rows that still expand (tree rows with a frontier, below their depth)."""
+        return [i for i, (r, g) in enumerate(zip(self.rows, self.grown))
+                if r.nodes > 0 and r.k > 0 and g.frontier and g.depth < r.k]
+
+    def feed(self, i: int) -> tuple[list[int], tuple[int, ...] | None, int]:
+        """Row ``i``'s next pass: (tokens after the context the drafter must hold, those tokens'
+        tree parents (None at the root), how many of them are new: the frontier, whose logits
+        come back). Records the frontier as fed."""
+        g = self.grown[i]
+        if g.frontier == [trees.ROOT]:
+            return [], None, 1
+        where = {node: j for j, node in enumerate(g.fed)}
+        for node in g.frontier:
+            parent = g.parents[node]
+            g.fed_parents.append(trees.ROOT if parent == trees.ROOT else where[parent])
+            where[node] = len(g.fed)
+            g.fed.append(node)
+        return [g.tokens[n] for n in g.fed], tuple(g.fed_parents), len(g.frontier)
+
+    def extend(self, logits: torch.Tensor, live: list[int]) -> None:
+        """Each live row's frontier scored: logits [sum over live rows of len(frontier), V], in
+        frontier order, row after row."""
+        rows = self.rows
+        at = 0
+        for i in live:
+            g, row = self.grown[i], rows[i]
+            n = len(g.frontier)
+            lg = logits[at: at + n].float()
+            at += n
+            logp = (batched_probs(lg, [row.params] * n).log() if not row.params.greedy else lg.log_softmax(-1))
+            top_v, top_i = logp.topk(min(self.width, logp.shape[-1]), dim=-1)
+            new = []
+            for f, vals, ids in zip(g.frontier, top_v.tolist(), top_i.tolist()):
+                base = 0.0 if f == trees.ROOT else g.value[f]
+                for v, t in zip(vals, ids):
+                    if v == float("-inf"):
+                        break
+                    new.append(len(g.tokens))
+                    g.tokens.append(t)
+                    g.parents.append(f)
+                    g.value.append(base + v)
+                    g.confidence.append(math.exp(v))
+            g.depth += 1
+            best = sorted(new, key=lambda j: -g.value[j])[: self.width]
+            if len(g.value) >= row.nodes:  # what the final tree would keep as things stand
+                cut = sorted(g.value, reverse=True)[row.nodes - 1]
+                best = [j for j in best if g.value[j] > cut]
+            g.frontier = best
+        self.steps += 1
+
+    def drafted(self, seconds: float | None = None) -> list[Proposal | None]:
+        """Each row's tree (None for a row that drafts a chain): its ``nodes`` best candidates,
+        in creation order (parents first)."""
+        out: list[Proposal | None] = []
+        for row, g in zip(self.rows, self.grown):
+            if row.nodes <= 0:
+                out.append(None)
+                continue
+            order = sorted(range(len(g.tokens)), key=lambda j: (-g.value[j], j))
+            chosen: set[int] = set()
+            for j in order:
+                if len(chosen) >= row.nodes:
+                    break
+                if g.parents[j] == trees.ROOT or g.parents[j] in chosen:
+                    chosen.add(j)
+            keep = sorted(chosen)
+            index = {j: n for n, j in enumerate(keep)}
+            parents = tuple(trees.ROOT if g.parents[j] == trees.ROOT else index[g.parents[j]] for j in keep)
+            out.append(Proposal([g.tokens[j] for j in keep], None, tuple(g.confidence[j] for j in keep),
+                                parents if keep else None))
+        return out

@@ -19,6 +19,9 @@ features ``f_0 .. f_{n-2}`` are known):
 3. **Forget the chain.** Only the true entries are recorded as held: the chain's are
    overwritten next round. Rollback is bookkeeping, as in the target's pool.
 
+A row that asks for a tree (``DraftRow.nodes``, mode ``eagle_tree``) grows one instead of step
+2, EAGLE-2 style (``base.Trees``): each level feeds the frontier's entries with tree attention.
+
 Sampling draws each token from the head's processed distribution ``q`` with the row's own
 generator; the target verifies with the same exact rejection sampling as for any drafter.
 """
@@ -32,7 +35,8 @@ import torch
 from specdec.batch import attention
 from specdec.batch.cache import FlatBatchCache, RowPlan, kv_shape
 from specdec.batch.runner import BatchRow, BatchRunner, common_prefix_len
-from specdec.drafters.base import Chains, Drafted, DraftRow
+from specdec import trees
+from specdec.drafters.base import Chains, Drafted, DraftRow, Trees
 from specdec.models.eagle import EagleHead
 
 
@@ -51,8 +55,9 @@ class EagleDrafter:
 
     name = "eagle"
 
-    def __init__(self, runner: BatchRunner, head: EagleHead):
+    def __init__(self, runner: BatchRunner, head: EagleHead, tree_width: int = 4):
         runner.keep_features()
+        self.tree_width = tree_width
         self.runner, self.head = runner, head.eval()
         head.config._attn_implementation = attention.NAME  # rows attend to their own entries
         self.dtype = head.fc.weight.dtype
@@ -69,10 +74,11 @@ class EagleDrafter:
                   if runner.cached_ids(rows[i].key) != rows[i].context[:-1]]
         if behind:
             runner.forward(behind)
-        chains = Chains(rows)
+        chains, grown = Chains(rows), Trees(rows, self.tree_width)
         with runner.lock:
-            live = todo
-            features = self._catch_up([rows[i] for i in live]) if live else None  # [len(live), d]
+            roots = self._catch_up([rows[i] for i in todo]) if todo else None  # [len(todo), d]
+            live = [i for i in todo if not rows[i].nodes]
+            features = roots[[j for j, i in enumerate(todo) if not rows[i].nodes]] if live else None
             while live:
                 chains.extend(self.head.logits(features), live)  # 1-2. draft
                 going = [j for j, i in enumerate(live) if len(chains.tokens[i]) < rows[i].k]
@@ -80,7 +86,46 @@ class EagleDrafter:
                     break
                 live = [live[j] for j in going]
                 features = self._chain([rows[i] for i in live], [chains.tokens[i] for i in live], features[going])
-        return chains.drafted()
+            branching = [j for j, i in enumerate(todo) if rows[i].nodes]
+            if branching:
+                self._grow(rows, [todo[j] for j in branching], roots[branching], grown)
+        drafted = chains.drafted()
+        for i, tree in enumerate(grown.drafted()):
+            if tree is not None:
+                drafted.proposals[i] = tree
+        drafted.steps = chains.steps + grown.steps  # chains and trees run their own passes here
+        return drafted
+
+    def _grow(self, rows: list[DraftRow], live: list[int], roots: torch.Tensor, grown: Trees) -> None:
+        """2'. Token trees: the root's logits from the catch-up's prediction, then one pass per
+        level over every row's frontier. A node's entry is (its parent's predicted feature, its
+        token), in a tree after entry ``n - 2`` (``tree_at = n - 1``), at the position of a chain
+        entry of its depth; the next round overwrites them all, as it does a chain's."""
+        predicted = [{trees.ROOT: roots[j]} for j in range(len(live))]  # node -> predicted feature
+        grown.extend(self.head.logits(roots), live)
+        while True:
+            alive = set(grown.live())
+            branching = [j for j, i in enumerate(live) if i in alive]
+            if not branching:
+                break
+            plans, tokens, inputs, fed = [], [], [], []
+            for j in branching:
+                row, g = rows[live[j]], grown.grown[live[j]]
+                frontier = list(g.frontier)
+                before = len(g.fed)
+                node_tokens, parents, new = grown.feed(live[j])
+                n = len(row.context)
+                plans.append(RowPlan(row.start, n - 1 + before, new, n - 1, parents))
+                tokens.extend(node_tokens[before:])
+                inputs.extend(predicted[j][g.parents[f]] for f in frontier)
+                fed.append((j, frontier))
+            out = self._forward(plans, tokens, torch.stack(inputs)[None])  # [frontier nodes, d]
+            at = 0
+            for j, frontier in fed:
+                for f in frontier:
+                    predicted[j][f] = out[at]
+                    at += 1
+            grown.extend(self.head.logits(out), [live[j] for j, _ in fed])
 
     def _held_for(self, row: DraftRow) -> _Held:
         held = self._held.get(row.key)

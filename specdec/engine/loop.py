@@ -248,8 +248,9 @@ class StepLoop:
                 self._isolate()
 
     def _need(self, req: GenerationRequest) -> int:
-        k_max = self.policy_config().k_max if req.mode != "off" else 0
-        return len(req.prompt_ids) + req.max_tokens + k_max + 1
+        cfg = self.policy_config()
+        drafts = max(cfg.k_max, cfg.tree_nodes) if req.mode != "off" else 0
+        return len(req.prompt_ids) + req.max_tokens + drafts + 1
 
     def _new_policy(self, req: GenerationRequest) -> SpeculationPolicy | None:
         if req.mode == "off":
@@ -264,6 +265,7 @@ class StepLoop:
             config=self.policy_config,
             k_request=req.k or self.default_k,
             adaptive=self.policy_config().adaptive and (req.k is None or req.mode == "auto"),
+            tree_modes=frozenset(m for m in self.modes if DRAFTERS[m].trees),
         )
 
     # --- one step ---------------------------------------------------------------------------
@@ -342,16 +344,20 @@ class StepLoop:
         # A lone row keeps its policy's k (the same costs, one request); a batch shares a step.
         ks = allocate(cands, self.costs, other) if len(cands) > 1 else [c.k_cap for c in cands]
         for live, c, k in zip(decode, cands, ks):
-            stop = live.policy.stop_below(c.mode) if k and live.policy is not None else 0.0
+            stop = live.policy.stop_below(c.mode) if k and live.policy is not None and not c.nodes else 0.0
             rows.append(self._row(live, mode=c.mode if k else "off", k=k, stop_below=stop))
         return StepPlan(rows)
 
     def _row(self, live: _Live, *, emits: bool = True, context: list[int] | None = None, mode: str = "off",
              k: int = 0, stop_below: float = 0.0) -> Row:
         index = len(live.rounds)
-        return Row(live.key, context if context is not None else live.ids, live.start, live.capacity, emits,
-                   mode, k, stop_below, live.req.params, round_seed(live.seed, index, TARGET),
-                   round_seed(live.seed, index, DRAFT), **self._suppressed(live))
+        context = context if context is not None else live.ids
+        nodes = 0
+        if k and DRAFTERS[mode].trees:  # the tree's budget; the range holds max(k_max, tree_nodes) + 1 more
+            nodes = max(0, min(self.policy_config().tree_nodes, live.capacity - len(context) - 1))
+        return Row(live.key, context, live.start, live.capacity, emits, mode=mode, k=k, stop_below=stop_below,
+                   nodes=nodes, params=live.req.params, target_seed=round_seed(live.seed, index, TARGET),
+                   draft_seed=round_seed(live.seed, index, DRAFT), **self._suppressed(live))
 
     def _candidate(self, live: _Live, cfg: PolicyConfig) -> Candidate:
         """This row's policy decision: its mode, its most k, and whether k is fixed."""
@@ -370,7 +376,8 @@ class StepLoop:
             # says, and joins the goodput rule like any row, so it rides along when its drafter
             # runs anyway and waits when it would add a draft pass to a full batch.
             a = cfg.prior_acceptance
-        return Candidate(a, k, mode, fixed=seeded or not policy.adaptive)
+        nodes = cfg.tree_nodes if DRAFTERS[mode].trees else 0
+        return Candidate(a, k, mode, fixed=seeded or not policy.adaptive, nodes=nodes)
 
     def _stop_ids(self, req: GenerationRequest) -> frozenset[int]:
         return req.stop_token_ids if req.ignore_eos else req.stop_token_ids | self.eos_token_ids

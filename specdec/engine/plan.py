@@ -69,6 +69,7 @@ class Row:
     mode: str = "off"  # "off" or a drafter's name (``specdec.drafters.DRAFTERS``)
     k: int = 0  # drafts to propose at most; 0 for plain rows and chunks
     stop_below: float = 0.0  # the confidence stop (``specdec.drafters.base.Chains``); 0: draft all k
+    nodes: int = 0  # a tree mode's node budget (depth k); 0: a chain
     params: SamplingParams = SamplingParams()
     target_seed: int = 0  # round_seed(..., TARGET): verification's randomness
     draft_seed: int = 0  # round_seed(..., DRAFT): the drafter's

@@ -121,6 +121,7 @@ class Candidate:
     k_cap: int  # the most it may draft this step (its policy's k, max_tokens, k_max)
     mode: str  # the drafter it would use
     fixed: bool = False  # take k_cap as it is (explicit k, seeded sampling)
+    nodes: int = 0  # a tree mode's nodes (depth k_cap): all or nothing
 
 
 def allocate(cands: list[Candidate], costs: StepCosts, other_tokens: int = 0) -> list[int]:
@@ -129,6 +130,7 @@ def allocate(cands: list[Candidate], costs: StepCosts, other_tokens: int = 0) ->
     ``other_tokens``: tokens of this step that are not decode rows (prefill chunks).
     """
     k = [c.k_cap if c.fixed else 0 for c in cands]
+    width = [c.nodes if c.nodes and kc else kc for c, kc in zip(cands, k)]  # verify tokens past the pending one
     steps: dict[str, int] = {}
     for c, kc in zip(cands, k):
         steps[c.mode] = max(steps.get(c.mode, 0), kc)
@@ -137,12 +139,26 @@ def allocate(cands: list[Candidate], costs: StepCosts, other_tokens: int = 0) ->
         for j in range(1, kc + 1):
             rows_in_step[(c.mode, j)] = rows_in_step.get((c.mode, j), 0) + 1
     expected = sum(_expected(c.a, kc) for c, kc in zip(cands, k))
-    tokens = other_tokens + sum(kc + 1 for kc in k)
+    tokens = other_tokens + sum(w + 1 for w in width)
     t = costs.verify_s(tokens) + sum(
         sum(costs.draft_step_s(m, rows_in_step[(m, j)]) for j in range(1, s + 1)) for m, s in steps.items()
     )
     per_token = costs.verify_s(tokens + 1) - costs.verify_s(tokens)
-    open_rows = {i for i, c in enumerate(cands) if not c.fixed and c.k_cap > 0}
+    open_rows = {i for i, c in enumerate(cands) if not c.fixed and c.k_cap > 0 and not c.nodes}
+    # Trees first, all or nothing, best gain per second first: a tree adds E(a, k) - 1 tokens
+    # for its nodes' verify tokens and k draft passes (or k more rows in passes that run anyway).
+    for i in sorted((i for i, c in enumerate(cands) if not c.fixed and c.k_cap > 0 and c.nodes),
+                    key=lambda i: -_expected(cands[i].a, cands[i].k_cap)):
+        c = cands[i]
+        gain = _expected(c.a, c.k_cap) - 1
+        have = steps.get(c.mode, 0)
+        dt = c.nodes * per_token + sum(costs.draft_step_s(c.mode, 1) if j > have else costs.draft_row_s(c.mode)
+                                       for j in range(1, c.k_cap + 1))
+        if gain > (expected / t) * dt:
+            k[i] = c.k_cap
+            expected += gain
+            t += dt
+            steps[c.mode] = max(have, c.k_cap)
     while open_rows:
         i = max(open_rows, key=lambda j: cands[j].a ** (k[j] + 1))
         c = cands[i]

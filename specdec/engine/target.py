@@ -7,7 +7,8 @@ unit's process (``in_process``) or in the TargetWorker (``actors``), one call pe
             (``Row.proposal`` from the loop, ``external`` from the draft side);
 2. verify : one target pass over every row: what its cache misses, plus its drafts;
 3. accept : ``verify_batch`` over the flattened logits of the emitting rows;
-4. roll back each emitting row to its context + accepted drafts (the last token is fed next step).
+4. roll back each emitting row to its context + accepted drafts (the last token is fed next step);
+            a token tree's accepted path is first moved into place (``BatchRunner.accept``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 
 from specdec.batch.runner import BatchRow, BatchRunner
 from specdec.batch.verify import VerifyRow, verify_batch
-from specdec.drafters import DRAFTERS
+from specdec.drafters import DRAFTERS, drafter_of
 from specdec.drafters.base import BatchDrafter, Drafted, DraftRow, Proposal
 from specdec.engine.plan import Row, StepPlan
 from specdec.verify import Verdict
@@ -43,7 +44,8 @@ class StepResult:
 
 
 def draft_rows(rows: list[Row]) -> list[DraftRow]:
-    return [DraftRow(r.key, r.context, r.k, r.params, r.draft_seed, r.start, r.capacity, r.stop_below) for r in rows]
+    return [DraftRow(r.key, r.context, r.k, r.params, r.draft_seed, r.start, r.capacity, r.stop_below, r.nodes)
+            for r in rows]
 
 
 @dataclass
@@ -60,9 +62,10 @@ def draft_all(drafters: dict[str, BatchDrafter], plan: StepPlan) -> Drafting:
     """Each drafter drafts its mode's rows of ``plan`` in one call. A draft failure never fails
     a request: its rows get no proposal and say why."""
     out = Drafting()
-    for mode, drafter in drafters.items():
+    for mode in sorted(plan.modes):
+        drafter = drafters.get(drafter_of(mode))
         rows = plan.drafting(mode)
-        if not rows:
+        if drafter is None or not rows:
             continue
         try:
             drafted = drafter.propose(draft_rows(rows))
@@ -97,7 +100,8 @@ class TargetStep:
         proposals = self._proposals(plan, external, result)
         emitting = [r for r in plan.rows if r.emits]
         # 2. one pass: every row's missing tokens, and each emitting row's pending token + drafts
-        batch = [BatchRow(r.key, r.context + proposals[r.key].tokens, len(proposals[r.key]) + 1, r.start, r.capacity)
+        batch = [BatchRow(r.key, r.context + proposals[r.key].tokens, len(proposals[r.key]) + 1, r.start, r.capacity,
+                          proposals[r.key].parents)
                  if r.emits else BatchRow(r.key, r.context, 0, r.start, r.capacity) for r in plan.rows]
         t0 = time.perf_counter()
         logits = self.runner.forward(batch)
@@ -108,8 +112,9 @@ class TargetStep:
         # 3. accept / reject over the flattened rows
         flat = torch.cat([lg for lg, r in zip(logits, plan.rows) if r.emits])
         verdicts = verify_batch([VerifyRow(proposals[r.key].tokens, r.params, r.target_seed, proposals[r.key].probs,
-                                           r.suppress, r.suppress_for) for r in emitting], flat)
-        # 4. roll back: each row keeps its context and accepted drafts
+                                           r.suppress, r.suppress_for, proposals[r.key].parents) for r in emitting], flat)
+        # 4. roll back: each row keeps its context and accepted drafts (a tree's path moved into place)
+        self.runner.accept([(r.key, list(v.path)) for r, v in zip(emitting, verdicts) if v.path is not None])
         for r, v in zip(emitting, verdicts):
             self.runner.truncate(r.key, len(r.context) + v.num_accepted)
         result.verdicts, result.confidence = verdicts, [proposals[r.key].confidence for r in emitting]
