@@ -202,7 +202,12 @@ class Trees:
     def live(self) -> list[int]:
         """The rows that still expand (tree rows with a frontier, below their depth)."""
         return [i for i, (r, g) in enumerate(zip(self.rows, self.grown))
-                if r.nodes > 0 and r.k > 0 and g.frontier and g.depth < r.k]
+                if r.nodes > 0 and r.k > 0 and g.frontier and g.depth < r.k and self._room(i) > 0]
+
+    def _room(self, i: int) -> int:
+        """Nodes row ``i`` may still feed: a drafter's cache holds the tree in the row's range."""
+        row = self.rows[i]
+        return row.capacity - len(row.context) - len(self.grown[i].fed) if row.capacity else 1 << 30
 
     def feed(self, i: int) -> tuple[list[int], tuple[int, ...] | None, int]:
         """Row ``i``'s next pass: (tokens after the context the drafter must hold, those tokens'
@@ -211,6 +216,7 @@ class Trees:
         g = self.grown[i]
         if g.frontier == [trees.ROOT]:
             return [], None, 1
+        g.frontier = g.frontier[: self._room(i)]
         where = {node: j for j, node in enumerate(g.fed)}
         for node in g.frontier:
             parent = g.parents[node]
