@@ -186,3 +186,30 @@ def test_tree_verification_keeps_the_target_distribution(llama_pair, monkeypatch
     monkeypatch.setattr(batch_verify, "remove_candidate", lambda p, token: p)
     control = batched_result(engine, ids, n, "draft_tree", k=2, length=4)
     assert control["impossible"] > 0 or control["p"] < 1e-3, control
+
+
+def test_point_mass_candidates_leave_p_exactly_analytically():
+    """In float64: the token a node emits under multi-candidate sampling with point-mass
+    candidates (accept x_j with p'(x_j), else remove it and renormalise; none: the residual)
+    has distribution p exactly, for any candidate order, and with the residual update skipped
+    it does not (the negative control of the chi-square test, here exactly)."""
+    from specdec.batch.verify import remove_candidate
+
+    gen = torch.Generator().manual_seed(3)
+    for trial in range(20):
+        p = torch.rand(7, generator=gen, dtype=torch.float64) ** 3
+        p[trial % 7] = 0.0  # a candidate the target never emits
+        p /= p.sum()
+        candidates = torch.randperm(7, generator=gen)[: 1 + trial % 5].tolist()
+
+        def emitted(update):
+            out, reach, cur = torch.zeros_like(p), 1.0, p
+            for x in candidates:
+                out[x] += reach * cur[x]
+                reach *= 1 - cur[x]
+                cur = update(cur, x)
+            return out + reach * cur
+
+        assert torch.allclose(emitted(remove_candidate), p, atol=1e-12)
+        if 0 < float(p[candidates[0]]) < 1:
+            assert not torch.allclose(emitted(lambda q, x: q), p, atol=1e-6)
