@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import math
 import threading
+import time
 
 import pytest
 import torch
@@ -178,6 +179,51 @@ def test_goodput_speculation_shrinks_as_the_batch_fills():
     plain = lambda n: [Candidate(0.0, 0, "off", fixed=True) for _ in range(n)]  # noqa: E731
     assert allocate([probe()] + plain(15), costs)[0] == 0
     assert allocate([probe()] + plain(1), costs)[0] > 0
+
+
+@pytest.mark.parametrize("per_token,taken", [(0.0002, True), (0.0025, False)])
+def test_goodput_tree_rows_are_taken_whole_or_not_at_all(per_token, taken):
+    """A tree of 16 nodes costs 16 verify tokens: taken where they are nearly free (a
+    memory-bound pass), not where each costs 2.5 ms (a CPU's compute-bound one), whole or not."""
+    costs = StepCosts()
+    for tokens in (1, 8, 16, 40):
+        costs.observe_verify(tokens, 0.040 + per_token * tokens)
+    costs.observe_draft("draft_tree", 1, 0.005)
+    tree = lambda a: Candidate(a, 4, "draft_tree", nodes=16)  # noqa: E731
+    assert allocate([tree(0.8), tree(0.8)], costs) == ([4, 4] if taken else [0, 0])
+    assert allocate([tree(0.05) for _ in range(8)], costs) == [0] * 8  # for nothing
+
+
+def test_the_guard_vetoes_speculation_that_loses_under_load(llama_pair, monkeypatch):
+    """The goodput rule misled (it always takes every draft, and the draft pass costs 30 ms
+    more than anyone measured): the guard sees speculating steps deliver fewer tokens per
+    second than plain ones at this batch size and stops them, tokens unchanged."""
+    import specdec.engine.loop as step_loop
+    from specdec.drafters.model import ModelDrafter
+    from specdec.engine.schedule import GoodputGuard
+    from specdec.policy import SpeculationPolicy
+
+    engine = Engine.load(ModelConfig(target=str(llama_pair["target"]), draft=str(llama_pair["draft"]), dtype="float32"),
+                         SpeculationConfig(), kv_cache_tokens=8192, max_num_seqs=8)
+    engine.loop.guard = GoodputGuard(min_samples=4)
+    propose = ModelDrafter.propose
+
+    def slow(self, rows):
+        time.sleep(0.03)
+        return propose(self, rows)
+
+    monkeypatch.setattr(ModelDrafter, "propose", slow)
+    monkeypatch.setattr(SpeculationPolicy, "_k", lambda self, index, cfg: 3)
+    monkeypatch.setattr(step_loop, "allocate", lambda cands, costs, other=0: [c.k_cap for c in cands])
+    ids = [engine.encode(prompt=p) for p in PROMPTS[:4]]
+    plain = [_solo(engine, i, 48) for i in ids]
+    handles = [engine.loop.submit(engine.request(i, max_tokens=48, mode="draft", ignore_eos=True)) for i in ids]
+    events = [list(h) for h in handles]
+    assert [[t for e in ev for t in e.token_ids] for ev in events] == plain
+    spec, plain_rate = engine.loop.guard.state()[GoodputGuard.bucket(4)]
+    assert spec < plain_rate, (spec, plain_rate)
+    late = [e.stats.k for ev in events for e in ev[len(ev) // 2:]]
+    assert late.count(0) > 0.7 * len(late), late  # mostly plain once it knows (exploration aside)
 
 
 # --- the step loop: exactness under batching ------------------------------------------------

@@ -37,7 +37,7 @@ from specdec.engine.events import ErrorEvent, RoundEvent
 from specdec.engine.plan import (
     DRAFT, DRAFT_RETRY_ROUNDS, TARGET, DraftUnavailable, Row, StepPlan, cut_round, draft_budget, round_seed,
 )
-from specdec.engine.schedule import Candidate, StepCosts, allocate
+from specdec.engine.schedule import Candidate, GoodputGuard, StepCosts, allocate
 from specdec.engine.target import Drafting, StepResult, draft_all, draft_rows
 from specdec.policy import PolicyConfig, SpeculationPolicy
 from specdec.sampling import SamplingParams, make_generator
@@ -160,6 +160,7 @@ class StepLoop:
         self.policy_config, self.default_k = policy, default_k
         self.max_length = max_length
         self.costs = StepCosts()
+        self.guard = GoodputGuard()
         self._waiting: deque[_Live] = deque()
         self._running: list[_Live] = []
         self._release: list[tuple[str, str]] = []  # (side, key) the workers may forget (sent with the next call)
@@ -288,8 +289,9 @@ class StepLoop:
 
     def _step(self, lives: list[_Live]) -> None:
         self.steps += 1
-        started_at = time.time()
+        started_at, began = time.time(), time.perf_counter()
         by_key = {lv.key: lv for lv in lives}
+        decoding = all(lv.rounds for lv in lives)  # no prompt in this step: its goodput compares
         plan = self._plan(lives)
         plan, here = self._draft_in_loop(plan)
         plan, result, errors = self._verify(plan)
@@ -299,10 +301,14 @@ class StepLoop:
         costs = {**here.costs, **result.draft_costs}
         self._observe_costs(plan, result, costs)
         emitting = [r for r in plan.rows if r.emits]
+        emitted = 0
         for row, verdict, confidence in zip(emitting, result.verdicts, result.confidence):
             draft_s = costs.get(row.mode, (0.0, 0))[0] if verdict.num_drafted else 0.0
-            self._commit(by_key[row.key], row, verdict, confidence, draft_s, result.verify_s, started_at,
-                         errors.get(row.key))
+            emitted += self._commit(by_key[row.key], row, verdict, confidence, draft_s, result.verify_s, started_at,
+                                    errors.get(row.key))
+        if decoding:
+            self.guard.observe(len(plan.rows), any(r.k for r in plan.rows), tokens=emitted,
+                               seconds=time.perf_counter() - began)
         for row in plan.rows:
             if not row.emits:
                 by_key[row.key].prefilled = len(row.context)
@@ -343,6 +349,8 @@ class StepLoop:
         cands = [self._candidate(live, cfg) for live in decode]
         # A lone row keeps its policy's k (the same costs, one request); a batch shares a step.
         ks = allocate(cands, self.costs, other) if len(cands) > 1 else [c.k_cap for c in cands]
+        if len(cands) > 1 and any(k and not c.fixed for c, k in zip(cands, ks)) and not self.guard.allow(len(cands)):
+            ks = [c.k_cap if c.fixed else 0 for c in cands]  # speculating measurably loses at this load
         for live, c, k in zip(decode, cands, ks):
             stop = live.policy.stop_below(c.mode) if k and live.policy is not None and not c.nodes else 0.0
             rows.append(self._row(live, mode=c.mode if k else "off", k=k, stop_below=stop))
@@ -434,7 +442,7 @@ class StepLoop:
     # --- commit -------------------------------------------------------------------------------
 
     def _commit(self, live: _Live, row: Row, verdict, confidence: tuple[float, ...], draft_s: float,
-                verify_s: float, started_at: float, draft_error: str | None) -> None:
+                verify_s: float, started_at: float, draft_error: str | None) -> int:
         tokens, finish = cut_round(verdict.tokens, live.req.max_tokens - len(live.out), self._stop_ids(live.req))
         live.out.extend(tokens)
         index = len(live.rounds)
@@ -459,6 +467,7 @@ class StepLoop:
         live.handle.put(RoundEvent(delta, kept, stats, finish, summary, live.queued_s if index == 0 else None))
         if finish:
             self._finish(live)
+        return len(tokens)
 
     def _finish(self, live: _Live, *, cancelled: bool = False, error: str | None = None) -> None:
         if live in self._running:

@@ -182,3 +182,64 @@ def allocate(cands: list[Candidate], costs: StepCosts, other_tokens: int = 0) ->
 
 def _expected(a: float, k: int) -> float:
     return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+class GoodputGuard:
+    """Speculation in a batch must not cost throughput: a check on the goodput rule by what
+    steps really delivered.
+
+    The rule above trusts a fitted cost model and each row's acceptance estimate; when either is
+    off (a draft pass that costs more in a full batch than it did alone, an optimistic
+    estimate), speculating steps deliver fewer tokens per second than plain ones would. The
+    guard keeps, per batch size (buckets 2-3, 4-7, 8-15, 16+ decode rows), an EWMA of the output
+    tokens per second of steps that speculated and of steps that did not, and vetoes
+    speculation in a bucket where it measurably loses (below ``1 - margin`` of plain). It keeps
+    both estimates fresh: every ``explore``-th step of a bucket runs the arm it would not.
+
+        >>> g = GoodputGuard(min_samples=2, explore=100)
+        >>> for _ in range(3):
+        ...     g.observe(8, True, tokens=10, seconds=0.1)    # 100 tok/s speculating
+        ...     g.observe(8, False, tokens=12, seconds=0.1)   # 120 tok/s plain
+        >>> g.allow(8), g.allow(2)
+        (False, True)
+    """
+
+    def __init__(self, margin: float = 0.03, ewma: float = 0.1, min_samples: int = 8, explore: int = 32):
+        self.margin, self.ewma, self.min_samples, self.explore = margin, ewma, min_samples, explore
+        self._rate: dict[tuple[int, bool], float] = {}
+        self._seen: dict[tuple[int, bool], int] = {}
+        self._steps: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def bucket(rows: int) -> int:
+        return min(rows, 16).bit_length()  # 2-3 -> 2, 4-7 -> 3, 8-15 -> 4, 16+ -> 5
+
+    def observe(self, rows: int, speculated: bool, *, tokens: int, seconds: float) -> None:
+        if rows < 2 or seconds <= 0:
+            return
+        key = (self.bucket(rows), speculated)
+        with self._lock:
+            rate = tokens / seconds
+            old = self._rate.get(key)
+            self._rate[key] = rate if old is None else (1 - self.ewma) * old + self.ewma * rate
+            self._seen[key] = self._seen.get(key, 0) + 1
+
+    def allow(self, rows: int) -> bool:
+        """May a step of ``rows`` decode rows speculate? (A lone row: always; its policy decides.)"""
+        if rows < 2:
+            return True
+        b = self.bucket(rows)
+        with self._lock:
+            self._steps[b] = step = self._steps.get(b, 0) + 1
+            spec, plain = self._rate.get((b, True)), self._rate.get((b, False))
+            known = min(self._seen.get((b, True), 0), self._seen.get((b, False), 0)) >= self.min_samples
+        wins = not known or spec >= (1 - self.margin) * plain
+        if step % (self.explore if known else 4) == 0:  # learn both arms quickly, then keep them fresh
+            return not wins  # the other arm, so that its estimate stays current
+        return wins
+
+    def state(self) -> dict:
+        """Per bucket: (speculating, plain) tokens/s, for operators and tests."""
+        with self._lock:
+            return {b: (self._rate.get((b, True)), self._rate.get((b, False))) for b in sorted({k[0] for k in self._rate})}
