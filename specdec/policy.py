@@ -110,7 +110,8 @@ class SpeculationPolicy:
     config: Callable[[], PolicyConfig]  # read every round: operator flags apply live
     k_request: int | None = None  # a request's explicit k (capped at k_max)
     adaptive: bool = True  # False: the request asked for a fixed mode and k
-    tree_modes: frozenset[str] = frozenset()  # modes that draft token trees (k = depth, config tree_nodes nodes)
+    tree_modes: dict[str, str] = field(default_factory=dict)  # tree mode -> the chain mode it grows trees of
+    tree_width: int = 4  # candidates per expanded node (``SpeculationConfig.tree_width``)
     active: str = ""  # the drafter chosen last
     acceptance: dict[str, float] = field(default_factory=dict)
     plain: bool = False  # in fallback
@@ -182,7 +183,7 @@ class SpeculationPolicy:
         k_max = min(cfg.k_max, self.k_request or cfg.k_max) if not self.adaptive else cfg.k_max
         options = []
         for mode in self.modes:
-            a = self.acceptance.get(mode, cfg.prior_acceptance)
+            a = self.estimate(mode, cfg)
             c = self.costs.c(mode)
             v = self.costs.v
             if mode in self.tree_modes:  # depth k, the same nodes whatever k: one verify of them all
@@ -195,11 +196,29 @@ class SpeculationPolicy:
             options.append((mode, k, s))
         return max(options, key=lambda o: o[2])
 
+    def estimate(self, mode: str, cfg: PolicyConfig | None = None) -> float:
+        """The per-token (a tree's: per-level) acceptance of ``mode``: measured, else its prior."""
+        cfg = cfg or self.config()
+        a = self.acceptance.get(mode)
+        if a is None:
+            a = self._tree_prior(mode, cfg) if mode in self.tree_modes else cfg.prior_acceptance
+        return a
+
+    def _tree_prior(self, mode: str, cfg: PolicyConfig) -> float:
+        """A tree mode's per-level acceptance before any of its rounds: its chain drafter's,
+        as if each level had ``width / 2`` independent tries (its candidates are the drafter's
+        top ``width``, and the first matters most): ``1 - (1 - a_chain)^(width / 2)``. Its own
+        rounds replace it at once; without it, ``auto`` would price a tree at a chain's
+        acceptance and never try one."""
+        chain = self.acceptance.get(self.tree_modes[mode], cfg.prior_acceptance)
+        return 1.0 - (1.0 - chain) ** max(1.0, self.tree_width / 2)
+
     def decide(self, rounds: list[RoundStats]) -> tuple[str, int]:
         """The next round's drafter and k (0: a plain round)."""
         self.observe(rounds)
         cfg = self.config()
-        return self.active, self._k(len(rounds), cfg)
+        k = self._k(len(rounds), cfg)  # it may switch the drafter: read ``active`` after it
+        return self.active, k
 
     def _k(self, index: int, cfg: PolicyConfig) -> int:
         if cfg.kill_switch:

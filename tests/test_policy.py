@@ -73,6 +73,27 @@ def drive(policy, accept, n_rounds, seed=0):
     return ks
 
 
+def test_a_tree_mode_is_priced_by_its_nodes_and_tried_when_its_drafter_is_good():
+    """A tree verifies all its nodes whatever its depth, and before its first round its
+    acceptance is its chain drafter's as if each level had width / 2 tries: cheap verification
+    and a decent drafter make auto try the tree; expensive verification keeps the chain."""
+    def policy(slope):
+        costs = StepCosts()
+        for tokens in (1, 5, 17):
+            costs.observe_verify(tokens, 0.01 * (1 + slope * (tokens - 1)))
+        return SpeculationPolicy(modes=["draft", "draft_tree"], costs=costs, config=lambda: PolicyConfig(tree_nodes=16),
+                                 tree_modes={"draft_tree": "draft"}, tree_width=4)
+
+    cheap, dear = policy(0.005), policy(0.1)
+    assert cheap.estimate("draft_tree") == pytest.approx(1 - (1 - 0.6) ** 2)
+    assert cheap.decide([RoundStats(0, "prefill", 0, 0, 0, 1, 0.0, 0.05), rnd(1, "off", 0, 0)])[0] == "draft_tree"
+    assert dear.decide([RoundStats(0, "prefill", 0, 0, 0, 1, 0.0, 0.05), rnd(1, "off", 0, 0)])[0] == "draft"
+    # a tree's round counts as full when its path reaches depth k, whatever its node count
+    cheap.observe([RoundStats(0, "prefill", 0, 0, 0, 1, 0.0, 0.05), rnd(1, "off", 0, 0),
+                   RoundStats(2, "draft_tree", 4, 16, 4, 5, 0.001, 0.01)])
+    assert cheap.acceptance["draft_tree"] > cheap.estimate("draft")
+
+
 def test_bad_draft_falls_back_within_a_few_rounds_and_probes_rarely():
     policy = make_policy()
     ks = drive(policy, accept=0.0, n_rounds=200)

@@ -106,7 +106,8 @@ class Engine:
         loop = StepLoop(target, draft, offered_modes(models), tokenizer=tokenizer, eos_token_ids=eos_token_ids,
                         capacity_tokens=capacity_tokens, max_num_seqs=max_num_seqs, step_tokens=step_tokens,
                         loop_drafters=build_drafters("loop", models, speculation, None, capacity_tokens),
-                        default_k=speculation.num_speculative_tokens, max_length=max_length)
+                        default_k=speculation.num_speculative_tokens, max_length=max_length,
+                        tree_width=speculation.tree_width)
         return cls(tokenizer, loop, speculation=speculation)
 
     @property

@@ -151,13 +151,13 @@ class StepLoop:
                  capacity_tokens: int, max_num_seqs: int = 16, step_tokens: int = 512,
                  policy: Callable[[], PolicyConfig] = PolicyConfig,
                  loop_drafters: dict[str, BatchDrafter] | None = None,
-                 default_k: int = 4, max_length: int | None = None):
+                 default_k: int = 4, max_length: int | None = None, tree_width: int = 4):
         self.target, self.draft, self.modes = target, draft, list(modes)
         self.loop_drafters = dict(loop_drafters or {})
         self.tokenizer, self.eos_token_ids = tokenizer, eos_token_ids
         self.allocator = RangeAllocator(capacity_tokens)
         self.max_num_seqs, self.step_tokens = max_num_seqs, step_tokens
-        self.policy_config, self.default_k = policy, default_k
+        self.policy_config, self.default_k, self.tree_width = policy, default_k, tree_width
         self.max_length = max_length
         self.costs = StepCosts()
         self.guard = GoodputGuard()
@@ -266,7 +266,8 @@ class StepLoop:
             config=self.policy_config,
             k_request=req.k or self.default_k,
             adaptive=self.policy_config().adaptive and (req.k is None or req.mode == "auto"),
-            tree_modes=frozenset(m for m in self.modes if DRAFTERS[m].trees),
+            tree_modes={m: DRAFTERS[m].tree_of for m in self.modes if DRAFTERS[m].trees},
+            tree_width=self.tree_width,
         )
 
     # --- one step ---------------------------------------------------------------------------
@@ -378,7 +379,7 @@ class StepLoop:
         mode, k = policy.decide(live.rounds)
         k = draft_budget(min(k, cfg.k_max), live.req.max_tokens - len(live.out))
         seeded = live.req.params.seed is not None and not live.req.params.greedy
-        a = policy.acceptance.get(mode, cfg.prior_acceptance)
+        a = policy.estimate(mode, cfg)
         if policy.probing:
             # A probe asks whether the drafter got better: in a batch it is worth what the prior
             # says, and joins the goodput rule like any row, so it rides along when its drafter
