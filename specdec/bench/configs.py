@@ -42,7 +42,7 @@ OUR_MODES: dict[str, tuple[str, ...]] = {
 
 # Left out of --quick to keep it under 3 minutes (the full run has them). transformers'
 # defaults stay: they are what a user of assisted generation gets.
-QUICK_SKIP = ("ngram-adaptive", "hf-assisted-heuristic-k5")
+QUICK_SKIP = ("ngram-adaptive", "draft_tree-adaptive", "eagle_tree-adaptive", "hf-assisted-heuristic-k5")
 
 # transformers' prompt lookup default candidate count (PromptLookupCandidateGenerator).
 HF_LOOKUP_DEFAULT_TOKENS = 10

@@ -26,6 +26,7 @@ import torch
 from specdec.bench.configs import BenchConfig
 from specdec.bench.workloads import Prompt
 from specdec.sampling import SamplingParams
+from specdec.drafters import DRAFTERS
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class Round:
     draft_s: float | None = None
     verify_s: float | None = None
     mode: str | None = None  # the drafter that drafted it ("off": a plain step the policy chose)
+    depth: int | None = None  # the most drafts it could accept (a tree: its depth); None: drafted
 
 
 @dataclass
@@ -100,7 +102,8 @@ def run_ours(engine, cfg: BenchConfig, prompt: Prompt, max_tokens: int, repeat: 
     out = engine.generate(prompt.ids, max_tokens=max_tokens, params=params, mode=cfg.mode, k=k)
     seconds = time.perf_counter() - t0
     rounds = [
-        Round(r.drafted, r.accepted, r.draft_s, r.verify_s, r.mode) for r in out.rounds if r.mode != "prefill"
+        Round(r.drafted, r.accepted, r.draft_s, r.verify_s, r.mode, r.k if r.mode in DRAFTERS and DRAFTERS[r.mode].trees else None)
+        for r in out.rounds if r.mode != "prefill"
     ]
     return RunResult(
         config=cfg.name, prompt=prompt.key, workload=prompt.workload, repeat=repeat,

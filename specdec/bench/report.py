@@ -12,8 +12,8 @@ Definitions (per configuration and workload):
 - ``acceptance_rate``: accepted / drafted over the rounds after prefill (transformers' first
   round, prefill plus the first draft's verification, counts: it drafts);
   ``mean_accepted_length``: tokens per target pass, (accepted + rounds) / rounds.
-- ``per_position_acceptance[i]``: among rounds that drafted more than i tokens, the share
-  that accepted more than i (see ``ideal.per_position_acceptance``).
+- ``per_position_acceptance[i]``: among rounds that drafted more than i tokens (a tree: whose
+  depth is more than i), the share that accepted more than i (see ``ideal.per_position_acceptance``).
 - ``c``: draft step / target step. The draft model's is measured directly (``costs``); a
   drafter without a model (ngram) gets its in-loop drafting time per drafted token over a
   target step; transformers' prompt lookup cannot be timed apart and counts as free (0).
@@ -84,7 +84,7 @@ def _acceptance(cfg: BenchConfig, runs: list[RunResult]) -> dict:
         return {"rounds": len(rounds), "drafted_tokens": drafted, "accepted_tokens": accepted,
                 "acceptance_rate": accepted / drafted if drafted else 0.0,
                 "mean_accepted_length": (accepted + len(rounds)) / len(rounds),
-                "per_position_acceptance": per_position_acceptance((rd.drafted, rd.accepted) for rd in rounds)}
+                "per_position_acceptance": per_position_acceptance((rd.depth or rd.drafted, rd.accepted) for rd in rounds)}
     specs = [r.speculation for r in runs if r.speculation]
     if specs:  # what a server reported, summed over its requests
         n = sum(int(s.get("rounds", 0)) for s in specs)
