@@ -3,6 +3,9 @@
     python scripts/measure_demo.py generate      # issue 2: off / draft / ngram on 5 held-out prompts
     python scripts/measure_demo.py bad-draft     # issue 4: writes a randomly initialised demo draft
     python scripts/measure_demo.py confidence    # the confidence stop on and off, side by side
+    python scripts/measure_demo.py load          # off / auto / auto without the guard under load,
+                                                 # and where a step's time goes
+    python scripts/measure_demo.py trees         # mean accepted length of chains and tree shapes
 """
 
 from __future__ import annotations
@@ -93,6 +96,87 @@ def confidence(max_tokens: int = 96, per_workload: int = 4) -> None:
     engine.policy_config = PolicyConfig()
 
 
+def _demo_engine(**models):
+    from specdec.config import ModelConfig, SpeculationConfig
+    from specdec.demo import demo_paths
+    from specdec.engine import Engine
+
+    paths = demo_paths()
+    return Engine.load(ModelConfig(target=str(paths["target"]), draft=str(paths["draft"]),
+                                   eagle_head=str(paths["eagle"]), **models), SpeculationConfig(), kv_cache_tokens=32768)
+
+
+def load(levels=(4, 16), requests: int = 2, max_tokens: int = 64) -> None:
+    """Closed-loop streams over one engine, side by side per level: off, auto, and auto with the
+    goodput guard disabled; then, per configuration, the mean step split into planning (and the
+    loop's own drafting), drafting elsewhere, the target's pass and the rest (host work)."""
+    import threading
+    import time
+
+    from specdec.bench.sweep import WORKLOAD_PROMPTS
+
+    engine = _demo_engine()
+    prompts = [engine.encode(messages=[{"role": "user", "content": q}]) for q in WORKLOAD_PROMPTS["chat"]]
+    prompts += [engine.encode(prompt=q) for q in WORKLOAD_PROMPTS["code"]]
+    engine.generate(prompts[0], max_tokens=8, mode="off")  # warm-up
+    guard = engine.loop.guard
+    print(f"dtype {engine.target_model.dtype}; {len(prompts)} prompts (chat and code), {max_tokens} tokens, "
+          f"{requests} requests per stream")
+    for level in levels:
+        for name, mode, guarded in (("off", "off", True), ("auto", "auto", True), ("auto-noguard", "auto", False)):
+            engine.loop.guard = guard if guarded else type("Open", (), {"allow": lambda self, rows: True,
+                                                                        "observe": lambda self, *a, **k: None})()
+            engine.loop.timings.clear()
+            tokens = [0]
+            lock = threading.Lock()
+
+            def stream(i):
+                for r in range(requests):
+                    out = engine.generate(prompts[(i + r * level) % len(prompts)], max_tokens=max_tokens, mode=mode,
+                                          ignore_eos=True)
+                    with lock:
+                        tokens[0] += len(out.token_ids)
+
+            t0 = time.perf_counter()
+            threads = [threading.Thread(target=stream, args=(i,)) for i in range(level)]
+            [t.start() for t in threads]
+            [t.join() for t in threads]
+            wall = time.perf_counter() - t0
+            steps = [t for t in engine.loop.timings if t.decoding]
+            spec = [t for t in steps if t.speculated]
+            mean = lambda xs: statistics.mean(xs) * 1e3 if xs else 0.0  # noqa: E731
+            print(f"c={level:<3} {name:<13} {tokens[0] / wall:7.1f} tok/s  steps {len(engine.loop.timings):4d} "
+                  f"(speculating {len(spec)}/{len(steps)})  mean ms: step {mean([t.total_s for t in steps]):6.1f} "
+                  f"plan {mean([t.plan_s for t in steps]):5.1f} draft {mean([t.draft_s for t in steps]):5.1f} "
+                  f"pass {mean([t.verify_s for t in steps]):6.1f} "
+                  f"host {mean([t.total_s - t.verify_s - t.draft_s for t in steps]):5.1f}  "
+                  f"tokens/step {statistics.mean([t.tokens for t in steps]) if steps else 0:.2f}", flush=True)
+        engine.loop.guard = guard
+    print("guard (tokens/s speculating, plain) by bucket:", guard.state())
+
+
+def trees(max_tokens: int = 64, per_workload: int = 4) -> None:
+    """Mean accepted length (bonus token included) of the chains and of tree shapes, greedy."""
+    from specdec.bench.workloads import build_prompts
+    from specdec.policy import PolicyConfig
+
+    engine = _demo_engine(dtype="float32")
+    for workload in ("chat", "code"):
+        prompts = build_prompts(engine.tokenizer, [workload], per_workload)
+        for mode, nodes, width, k in (("eagle", 0, 0, 4), ("eagle_tree", 16, 4, 4), ("eagle_tree", 32, 6, 5),
+                                      ("eagle_tree", 48, 8, 6), ("draft", 0, 0, 4), ("draft_tree", 16, 4, 4),
+                                      ("draft_tree", 32, 6, 5)):
+            engine.policy_config = PolicyConfig(tree_nodes=max(1, nodes))
+            engine.loop.target.drafters["eagle"].tree_width = engine.loop.draft.drafter.tree_width = max(1, width)
+            acc = rounds = 0
+            for p in prompts:
+                r = engine.generate(p.ids, max_tokens=max_tokens, mode=mode, k=k, ignore_eos=True)
+                acc, rounds = acc + r.speculation.accepted_tokens, rounds + r.speculation.rounds
+            print(f"{workload:<5} {mode:<11} nodes {nodes:3d} width {width} depth {k}: "
+                  f"mean accepted length {1 + acc / max(1, rounds):.2f}", flush=True)
+    engine.policy_config = PolicyConfig()
+
+
 def bad_draft(out: str = "/tmp/bad_draft") -> None:
     from specdec.demo import demo_paths
     from specdec.models.draft import load_draft, save_draft
@@ -113,4 +197,5 @@ def bad_draft(out: str = "/tmp/bad_draft") -> None:
 
 
 if __name__ == "__main__":
-    {"generate": generate_table, "bad-draft": bad_draft, "confidence": confidence}[sys.argv[1]]()
+    {"generate": generate_table, "bad-draft": bad_draft, "confidence": confidence, "load": load,
+     "trees": trees}[sys.argv[1]]()

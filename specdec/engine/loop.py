@@ -106,6 +106,23 @@ class Handle:
                 return
 
 
+@dataclass(frozen=True)
+class StepTiming:
+    """Where one step's time went (seconds): planning with the loop's own drafting, the draft
+    side's and the target side's drafting, the target's pass, the whole call to the target
+    side (both sides' drafting, the pass, verification), and the step."""
+
+    rows: int
+    speculated: bool
+    decoding: bool  # no prompt in the step
+    tokens: int  # output tokens it emitted
+    plan_s: float
+    draft_s: float
+    verify_s: float
+    target_call_s: float
+    total_s: float
+
+
 @dataclass(eq=False)  # identity: a request is itself, not its contents
 class _Live:
     """A request in the unit."""
@@ -161,6 +178,7 @@ class StepLoop:
         self.max_length = max_length
         self.costs = StepCosts()
         self.guard = GoodputGuard()
+        self.timings: deque[StepTiming] = deque(maxlen=4096)  # the last steps, for measurements
         self._waiting: deque[_Live] = deque()
         self._running: list[_Live] = []
         self._release: list[tuple[str, str]] = []  # (side, key) the workers may forget (sent with the next call)
@@ -295,7 +313,9 @@ class StepLoop:
         decoding = all(lv.rounds for lv in lives)  # no prompt in this step: its goodput compares
         plan = self._plan(lives)
         plan, here = self._draft_in_loop(plan)
+        planned = time.perf_counter()
         plan, result, errors = self._verify(plan)
+        verified = time.perf_counter()
         errors = {**errors, **here.errors, **result.draft_errors}
         for key in {**here.errors, **result.draft_errors}:
             by_key[key].draft_retry_at = len(by_key[key].rounds) + DRAFT_RETRY_ROUNDS
@@ -307,9 +327,13 @@ class StepLoop:
             draft_s = costs.get(row.mode, (0.0, 0))[0] if verdict.num_drafted else 0.0
             emitted += self._commit(by_key[row.key], row, verdict, confidence, draft_s, result.verify_s, started_at,
                                     errors.get(row.key))
+        done = time.perf_counter()
+        speculated = any(r.k for r in plan.rows)
         if decoding:
-            self.guard.observe(len(plan.rows), any(r.k for r in plan.rows), tokens=emitted,
-                               seconds=time.perf_counter() - began)
+            self.guard.observe(len(plan.rows), speculated, tokens=emitted, seconds=done - began)
+        self.timings.append(StepTiming(len(plan.rows), speculated, decoding, emitted, planned - began,
+                                       sum(s for s, _ in result.draft_costs.values()), result.verify_s,
+                                       verified - planned, done - began))
         for row in plan.rows:
             if not row.emits:
                 by_key[row.key].prefilled = len(row.context)
