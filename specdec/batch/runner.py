@@ -209,6 +209,18 @@ class BatchRunner:
             self.accept([(key, trees.follow(tree.tokens, tree.parents, ids[tree.n:]))])
         seq.tree = None
 
+    def _kept(self, seq: _Seq, row: BatchRow) -> int:
+        """How many of ``row.ids`` the cache already holds: the longest common prefix of a
+        sequence, or, for a tree that grew by a level, the context and every node it held.
+        A held tree that the row does not grow is settled first (its path moved into place)."""
+        at, held = row.tree_at, seq.tree
+        if held is not None and row.parents is not None and held.n == at and seq.ids[:at] == row.ids[:at] \
+                and row.parents[: len(held.parents)] == held.parents and row.ids[at: at + len(held.tokens)] == held.tokens:
+            return at + len(held.tokens)
+        if held is not None:
+            self._settle(seq, row.key, row.ids)
+        return min(common_prefix_len(seq.ids, row.ids), at)
+
     def _plan_row(self, row: BatchRow) -> tuple[_Seq, RowPlan] | None:
         assert 0 <= row.num_logits <= len(row.ids), (row.num_logits, len(row.ids))
         seq = self._seqs.get(row.key)
@@ -218,15 +230,8 @@ class BatchRunner:
             seq = self._seqs[row.key] = _Seq(row.start, row.capacity)  # new, or restarted elsewhere
         if len(row.ids) > seq.capacity:
             raise ValueError(f"sequence {row.key} needs {len(row.ids)} tokens; it reserved {seq.capacity}")
-        at, held = row.tree_at, seq.tree
-        if held is not None and row.parents is not None and held.n == at and seq.ids[:at] == row.ids[:at] \
-                and row.parents[: len(held.parents)] == held.parents and row.ids[at: at + len(held.tokens)] == held.tokens:
-            keep = at + len(held.tokens)  # the same tree, grown: keep its nodes
-        else:
-            if held is not None:
-                self._settle(seq, row.key, row.ids)
-            keep = min(common_prefix_len(seq.ids, row.ids), at)
-        keep = min(keep, len(row.ids) - row.num_logits)
+        at = row.tree_at
+        keep = min(self._kept(seq, row), len(row.ids) - row.num_logits)
         if keep < at:
             seq.tree = None
             del seq.ids[keep:]
