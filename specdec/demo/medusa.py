@@ -42,7 +42,7 @@ class MedusaTrainConfig:
     seed: int = 0
     num_heads: int = 4
     num_layers: int = 1
-    steps: int = 1500
+    steps: int = 1200
     batch_rows: int = 512  # feature rows per step (each trains every head with a label there)
     lr: float = 2e-3
     warmup: int = 20
@@ -195,10 +195,13 @@ def train_and_save(target, token_ids: torch.Tensor, train: list[dict], heldout: 
 @dataclass
 class MedusaDataConfig:
     """Teacher data for ``add_medusa_heads`` (a full build reuses its own): the build's splits
-    and held-out sets, fewer training prompts; the float32 target's greedy answers."""
+    and held-out sets, fewer training prompts; the float32 target's greedy answers. Generation
+    is the cost: only the ``n_chat_answered`` shortest of the ``n_chat_train`` prompts are
+    answered (the order generation batches them in, so a stopped run's batches are reused)."""
 
     seed: int = 0
     n_chat_train: int = 384
+    n_chat_answered: int | None = 192
     n_chat_heldout: int = 16  # the build's held-out prompts
     max_new_tokens: int = 128
     gen_batch: int = 32
@@ -219,6 +222,11 @@ def medusa_teacher(target, tok, cfg: MedusaDataConfig, work: Path | None = None)
     train_files, held_files = split_files(stdlib_files(), b.seed, b.heldout_file_frac)
     train_prompts, held_prompts = chat_prompts(b.seed, b.n_chat_train, b.n_chat_heldout,
                                                function_snippets(train_files, b.seed))
+    if cfg.n_chat_answered is not None:  # the shortest, in their own order
+        lengths = [len(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                               tokenize=True, return_dict=True)["input_ids"]) for p in train_prompts]
+        keep = set(sorted(range(len(train_prompts)), key=lambda i: lengths[i])[:cfg.n_chat_answered])
+        train_prompts = [p for i, p in enumerate(train_prompts) if i in keep]
     sub = (lambda name: work / name) if work is not None else (lambda name: None)
     chat = generate_answers(target, tok, train_prompts, b, "target answers (train prompts)", sub("chat"))
     chat_eval = generate_answers(target, tok, held_prompts, b, "target answers (held-out prompts)", sub("chat_eval"))

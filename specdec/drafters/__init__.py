@@ -19,10 +19,12 @@ from specdec.config import ModelConfig, SpeculationConfig
 from specdec.drafters.base import BatchDrafter
 from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.early_exit import EarlyExitDrafter, exit_parts
+from specdec.drafters.medusa import MedusaDrafter
 from specdec.drafters.model import ModelDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.loading import DTYPES, load_model
 from specdec.models.eagle import load_eagle_head
+from specdec.models.medusa import load_medusa_heads
 
 Where = Literal["loop", "draft", "target"]
 
@@ -57,12 +59,17 @@ def _eagle(models: ModelConfig, spec: SpeculationConfig, target: BatchRunner, ca
     return EagleDrafter(target, load_eagle_head(models.eagle_head, target.model, DTYPES[models.eagle_dtype]))
 
 
+def _medusa(models: ModelConfig, spec: SpeculationConfig, target: BatchRunner, capacity: int) -> MedusaDrafter:
+    return MedusaDrafter(target, load_medusa_heads(models.medusa_heads, target.model, DTYPES[models.medusa_dtype]))
+
+
 DRAFTERS: dict[str, DrafterKind] = {
     "ngram": DrafterKind("loop", lambda m: True, _ngram),
     "draft": DrafterKind("draft", lambda m: bool(m.draft), _draft),
     "early_exit": DrafterKind("target", lambda m: bool(m.early_exit_adapter or m.early_exit_layer is not None),
                               _early_exit),
     "eagle": DrafterKind("target", lambda m: bool(m.eagle_head), _eagle),
+    "medusa": DrafterKind("target", lambda m: bool(m.medusa_heads), _medusa),
 }
 
 
