@@ -250,9 +250,9 @@ def test_train_build_runs_end_to_end_deterministically_and_ships(llama_pair, tmp
 
 
 def test_the_shipped_weights_match_their_hashes_and_load(tmp_path):
-    """The draft and EAGLE head committed in specdec/demo/weights: every file matches the
-    manifest's SHA-256, together they stay under 30 MB, and both load onto a stand-in with the
-    demo target's shapes (what `specdec demo-models` does with the converted target)."""
+    """The draft, EAGLE head and Medusa heads committed in specdec/demo/weights: every file
+    matches the manifest's SHA-256, together they stay under 33 MB, and all load onto a stand-in
+    with the demo target's shapes (what `specdec demo-models` does with the converted target)."""
     import shutil
 
     from safetensors.torch import save_file
@@ -260,17 +260,20 @@ def test_the_shipped_weights_match_their_hashes_and_load(tmp_path):
 
     from specdec.demo import shipped
     from specdec.models.eagle import load_eagle_head
+    from specdec.models.medusa import load_medusa_heads
 
     assert shipped.available()
     manifest = shipped.verify()
-    assert manifest["bytes"] <= 30 * 2**20, manifest["bytes"]
+    assert manifest["bytes"] <= 33 * 2**20, manifest["bytes"]
     meta = json.loads((shipped.WEIGHTS_DIR / "draft.json").read_text())
     cfg = LlamaConfig(**{**meta["llama_config"], "num_hidden_layers": 1, "tie_word_embeddings": True})
     cfg.architectures = ["LlamaForCausalLM"]
     target = LlamaForCausalLM(cfg).eval()  # random weights, the target's vocabulary and width
     for sub, (name, there) in {"draft": ("draft.safetensors", "draft.safetensors"),
                                "draft/": ("draft.json", MARKER), "eagle": ("eagle.safetensors", "eagle.safetensors"),
-                               "eagle/": ("eagle.json", "specdec_eagle.json")}.items():
+                               "eagle/": ("eagle.json", "specdec_eagle.json"),
+                               "medusa": ("medusa.safetensors", "medusa.safetensors"),
+                               "medusa/": ("medusa.json", "specdec_medusa.json")}.items():
         (tmp_path / sub.rstrip("/")).mkdir(exist_ok=True)
         shutil.copyfile(shipped.WEIGHTS_DIR / name, tmp_path / sub.rstrip("/") / there)
     save_file({"model.embed_tokens.weight": target.model.embed_tokens.weight.detach().to(torch.bfloat16)},
@@ -283,3 +286,7 @@ def test_the_shipped_weights_match_their_hashes_and_load(tmp_path):
         feats = head(torch.randn(1, 3, cfg.hidden_size), torch.tensor([[1, 2, 3]]), torch.arange(3)[None])
     assert int(torch.isfinite(logits[0, -1]).sum()) == len(draft.token_ids) == 8192
     assert int(torch.isfinite(head.logits(feats[0, -1])).sum()) == 8192
+    medusa = load_medusa_heads(tmp_path / "medusa", target)
+    assert torch.equal(medusa.token_ids, draft.token_ids) and medusa.num_heads == 4
+    with torch.no_grad():
+        assert int(torch.isfinite(medusa.logits(feats[0, -1:])).sum()) == 4 * 8192

@@ -201,11 +201,11 @@ class MedusaDataConfig:
 
     seed: int = 0
     n_chat_train: int = 384
-    n_chat_answered: int | None = 192
+    n_chat_answered: int | None = 128
     n_chat_heldout: int = 16  # the build's held-out prompts
     max_new_tokens: int = 128
     gen_batch: int = 32
-    n_code_heads: int = 64
+    n_code_heads: int = 32
     code_head_new_tokens: int = 128
     n_code_chunks: int = 160
     n_code_eval_chunks: int = 12  # the build's held-out chunks
@@ -274,6 +274,7 @@ def add_medusa_heads(root: Path, cfg: MedusaTrainConfig | None = None, data: Med
     metrics["data"] = {**asdict(data), "seconds": round(t_data, 1),
                        "label_tokens": sum(len(e["pos"]) for e in train)}
     metrics["seconds"] = round(time.time() - t0, 1)
+    metrics["torch_threads"] = torch.get_num_threads()
     file = (root if out.parent == root else out.parent) / "metrics.json"
     all_metrics = json.loads(file.read_text()) if file.is_file() else {}
     all_metrics["medusa"] = metrics
@@ -284,6 +285,5 @@ def add_medusa_heads(root: Path, cfg: MedusaTrainConfig | None = None, data: Med
 
 
 if __name__ == "__main__":  # python -m specdec.demo.medusa ROOT [OUT]: add heads to a finished cache
-    torch.set_num_threads(torch.get_num_threads())
     m = add_medusa_heads(Path(sys.argv[1]), out=Path(sys.argv[2]) if len(sys.argv) > 2 else None)
     print(json.dumps(m, indent=2))
