@@ -48,7 +48,7 @@ class BuildConfig:
     # the Medusa heads (phase 8): ResBlock heads on the target's features, the same vocabulary
     medusa_heads: int = 4
     medusa_layers: int = 1
-    medusa_steps: int = 1200
+    medusa_steps: int = 400
     medusa_lr: float = 2e-3
     medusa_batch_rows: int = 512
     exit_layers: tuple = ()  # early-exit adapters after these layers (`--early-exit` adds layer 8)
