@@ -29,7 +29,7 @@ from specdec.drafters.base import DraftRow
 from specdec.drafters.medusa import MedusaDrafter, medusa_chain, medusa_tree
 from specdec.engine import Engine
 from specdec.loading import load_model, load_tokenizer
-from specdec.models.medusa import MedusaHeads, load_medusa_heads, save_medusa_heads
+from specdec.models.medusa import load_medusa_heads, save_medusa_heads
 from specdec.sampling import SamplingParams
 from three_tokens import batched_test_and_control
 

@@ -16,7 +16,6 @@ read, never copied into the optimiser). Seeded, float32, a fixed number of AdamW
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import os
@@ -264,7 +263,7 @@ def add_medusa_heads(root: Path, cfg: MedusaTrainConfig | None = None, data: Med
     tmp = out.parent / f".medusa.build-{os.getpid()}-{int(time.time())}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        metrics = train_and_save(copy.deepcopy(target), token_ids, train, heldout, cfg, tmp)
+        metrics = train_and_save(target, token_ids, train, heldout, cfg, tmp)
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
