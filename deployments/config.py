@@ -39,6 +39,7 @@ def resolve_models(models: ModelConfig) -> ModelConfig:
             "draft": resolve_model_path(models.draft),
             "early_exit_adapter": resolve_model_path(models.early_exit_adapter),
             "eagle_head": resolve_model_path(models.eagle_head),
+            "medusa_heads": resolve_model_path(models.medusa_heads),
             "served_model_name": models.served_model_name
             or ("SmolLM2-135M-Instruct" if models.target == "demo:target" else None),
         }
@@ -46,7 +47,7 @@ def resolve_models(models: ModelConfig) -> ModelConfig:
 
 
 def resolve_model_path(name: str | None) -> str | None:
-    """``demo:target`` / ``demo:draft`` / ``demo:eagle`` / ``demo:exit`` name what ``specdec demo-models``
+    """``demo:target`` / ``demo:draft`` / ``demo:eagle`` / ``demo:medusa`` / ``demo:exit`` name what ``specdec demo-models``
     builds (``demo:exit`` with ``--early-exit``)."""
     if name is None or not name.startswith("demo:"):
         return name
@@ -61,8 +62,9 @@ def resolve_model_path(name: str | None) -> str | None:
         if adapter is None:
             raise ValueError("demo:exit is not built yet: run `specdec demo-models --early-exit` first")
         return str(adapter)
-    if role not in ("target", "draft", "eagle"):
-        raise ValueError(f"unknown demo model {name!r}: use demo:target, demo:draft, demo:eagle or demo:exit")
+    if role not in ("target", "draft", "eagle", "medusa"):
+        raise ValueError(f"unknown demo model {name!r}: use demo:target, demo:draft, demo:eagle, demo:medusa "
+                         "or demo:exit")
     if not (paths[role] / "config.json").exists() and not any(paths[role].glob("*.json")):
         raise ValueError(f"{name} is not built yet: run `specdec demo-models` first")
     return str(paths[role])

@@ -12,35 +12,36 @@ from specdec.plugins import register_commands
 from specdec.sampling import SamplingParams
 
 
-def _demo_models() -> tuple[str, str, str | None, str]:
-    """The demo target, draft, early-exit adapter (if built) and EAGLE head (made on first use,
-    then cached)."""
+def _demo_models() -> tuple[str, str, str | None, str, str]:
+    """The demo target, draft, early-exit adapter (if built), EAGLE head and Medusa heads (made
+    on first use, then cached)."""
     from specdec.demo import build_demo_models, demo_exit_adapter, demo_paths
 
     build_demo_models()  # returns at once when the cache is complete
     paths = demo_paths()
     adapter = demo_exit_adapter()
-    return str(paths["target"]), str(paths["draft"]), str(adapter) if adapter else None, str(paths["eagle"])
+    return (str(paths["target"]), str(paths["draft"]), str(adapter) if adapter else None, str(paths["eagle"]),
+            str(paths["medusa"]))
+
+
+def _model_config(args: argparse.Namespace):
+    """The models ``specdec generate`` names; those it does not name are the demo's."""
+    from specdec.config import ModelConfig
+
+    given = (args.draft, args.early_exit_adapter, args.eagle_head, args.medusa_heads)
+    demo = _demo_models() if args.target is None else (args.target, None, None, None, None)
+    draft, adapter, eagle, medusa = (a or b for a, b in zip(given, demo[1:]))
+    return ModelConfig(target=demo[0], draft=draft, dtype=args.dtype, draft_dtype=args.draft_dtype,
+                       early_exit_adapter=adapter, early_exit_layer=args.early_exit_layer, eagle_head=eagle,
+                       medusa_heads=medusa)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from specdec.config import ModelConfig, SpeculationConfig
+    from specdec.config import SpeculationConfig
     from specdec.engine import Engine
 
-    target, draft, adapter, eagle = args.target, args.draft, args.early_exit_adapter, args.eagle_head
-    if target is None:
-        target, demo_draft, demo_adapter, demo_eagle = _demo_models()
-        draft, adapter, eagle = draft or demo_draft, adapter or demo_adapter, eagle or demo_eagle
     engine = Engine.load(
-        ModelConfig(
-            target=target,
-            draft=draft,
-            dtype=args.dtype,
-            draft_dtype=args.draft_dtype,
-            early_exit_adapter=adapter,
-            early_exit_layer=args.early_exit_layer,
-            eagle_head=eagle,
-        ),
+        _model_config(args),
         SpeculationConfig(
             mode=args.mode,
             num_speculative_tokens=args.k or 4,
@@ -135,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     gen.add_argument("--early-exit-adapter", help="trained exit adapter (default: the demo's, if built)")
     gen.add_argument("--eagle-head", help="EAGLE head directory (default: the demo's)")
+    gen.add_argument("--medusa-heads", help="Medusa heads directory (default: the demo's)")
     gen.add_argument("--early-exit-layer", type=int, help="exit after this layer (raw exit, no adapter)")
     gen.add_argument("--early-exit-threshold", type=float, default=0.0,
                      help="stop a round's drafting below this exit confidence")

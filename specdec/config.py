@@ -10,7 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from specdec import __version__
 from specdec.hardware import resolve_dtype
 
-Mode = Literal["auto", "draft", "draft_tree", "ngram", "early_exit", "eagle", "eagle_tree", "off"]  # what a request or a config may ask for
+Mode = Literal["auto", "draft", "draft_tree", "ngram", "early_exit", "eagle", "eagle_tree", "medusa",
+               "medusa_tree", "off"]  # what a request or a config may ask for
 MODES: tuple[str, ...] = get_args(Mode)
 DType = Literal["auto", "float32", "bfloat16", "float16"]  # auto: specdec.hardware.resolve_dtype
 
@@ -66,6 +67,14 @@ class ModelConfig(_Strict):
         "hidden states, kept by the verify pass, so it costs no second model and no extra target pass.",
     )
     eagle_dtype: DType = Field("float32", description="EAGLE head dtype (one layer: fast in fp32 on a CPU).")
+    medusa_heads: str | None = Field(
+        None,
+        description="A Medusa heads directory (`specdec demo-models` writes demo/medusa; Medusa-1's released "
+        "layout loads too). Enables mode 'medusa': small heads on the target's own last hidden state "
+        "guess the next tokens all at once (a chain, or a token tree), so one batched head pass drafts "
+        "every row: no second model, no extra target pass; weaker the further out a head looks.",
+    )
+    medusa_dtype: DType = Field("float32", description="Medusa heads dtype (a few ResBlocks: fast in fp32 on a CPU).")
     early_exit_layer: int | None = Field(
         None,
         ge=1,
@@ -94,7 +103,7 @@ class ModelConfig(_Strict):
 
 
 # vLLM's speculative_config names, accepted so that a vLLM user can move a config over.
-VLLM_METHODS = {"ngram": "ngram", "draft_model": "draft", "eagle": "eagle"}
+VLLM_METHODS = {"ngram": "ngram", "draft_model": "draft", "eagle": "eagle", "medusa": "medusa"}
 VLLM_NAMES = {"method": "mode", "prompt_lookup_min": "ngram_min", "prompt_lookup_max": "ngram_max"}
 
 
@@ -138,7 +147,7 @@ class SpeculationConfig(_Strict):
             if theirs == "method":
                 if value not in VLLM_METHODS:
                     raise ValueError(f"method {value!r}: this server implements {sorted(VLLM_METHODS)} of vLLM's "
-                                     "methods (mode: auto, draft, ngram, early_exit, eagle, off)")
+                                     "methods (mode: auto, draft, ngram, early_exit, eagle, medusa, off)")
                 value = VLLM_METHODS[value]
             data[ours] = value
         return data

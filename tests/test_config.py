@@ -52,7 +52,7 @@ def test_vllm_speculation_names_are_aliases():
     assert theirs == ours
     assert SpeculationConfig.model_validate({"method": "draft_model"}).mode == "draft"
     with pytest.raises(ValidationError, match="implements"):
-        SpeculationConfig.model_validate({"method": "medusa"})
+        SpeculationConfig.model_validate({"method": "eagle3"})
     with pytest.raises(ValidationError, match="give one of them"):
         SpeculationConfig.model_validate({"method": "ngram", "mode": "draft"})
 

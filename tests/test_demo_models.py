@@ -110,6 +110,9 @@ def _fake_demo(root: Path, tmp_path: Path) -> None:
     (root / "eagle").mkdir(exist_ok=True)
     (root / "eagle" / "specdec_eagle.json").write_text("{}")
     (root / "eagle" / "eagle.safetensors").write_bytes(b"x")
+    (root / "medusa").mkdir(exist_ok=True)
+    (root / "medusa" / "specdec_medusa.json").write_text("{}")
+    (root / "medusa" / "medusa.safetensors").write_bytes(b"x")
     (root / "metrics.json").write_text("{}")
 
 
@@ -155,6 +158,8 @@ def test_interrupted_build_is_not_complete(tmp_path):
     old = tmp_path / "old"
     _fake_demo(old / "demo", tmp_path)
     assert demo.is_demo_complete(old)
+    (old / "demo" / "medusa" / "medusa.safetensors").unlink()  # a cache from before Medusa
+    assert not demo.is_demo_complete(old)
     (old / "demo" / "eagle" / "eagle.safetensors").unlink()  # a cache from before EAGLE
     assert not demo.is_demo_complete(old)
 
@@ -185,7 +190,8 @@ def _tiny_build_config(src: Path):
 
     return BuildConfig(target=str(src), head_vocab=64, topk=8, n_chat_train=4, n_chat_heldout=2, max_new_tokens=8,
                        gen_batch=4, n_code_heads=2, code_head_tokens=16, code_head_new_tokens=8, code_chunk=32,
-                       n_code_chunks=4, n_code_eval_chunks=2, steps=3, eagle_steps=3, batch_tokens=512, warmup=2)
+                       n_code_chunks=4, n_code_eval_chunks=2, steps=3, eagle_steps=3, medusa_steps=3, batch_tokens=512,
+                       warmup=2)
 
 
 def test_train_build_runs_end_to_end_deterministically_and_ships(llama_pair, tmp_path):
@@ -212,11 +218,12 @@ def test_train_build_runs_end_to_end_deterministically_and_ships(llama_pair, tmp
     a, b = build(tmp_path / "a", cfg), build(tmp_path / "b", cfg)
     assert a["target"]["unchanged_by_training"] and a["teacher"]["chat_answer_tokens"] > 0
     assert a["eagle"]["training"]["train_steps"] == 3 and 0 <= a["eagle"]["agreement_chat_heldout"] <= 1
+    assert a["medusa"]["training"]["train_steps"] == 3 and len(a["medusa"]["agreement_chat_heldout"]["top1"]) == 4
 
     def digest(p):
         return hashlib.sha256(p.read_bytes()).hexdigest()
 
-    for f in ("draft/draft.safetensors", "eagle/eagle.safetensors"):
+    for f in ("draft/draft.safetensors", "eagle/eagle.safetensors", "medusa/medusa.safetensors"):
         assert digest(tmp_path / "a" / f) == digest(tmp_path / "b" / f), f  # deterministic
     weights = tmp_path / "weights"
     manifest = shipped.export(tmp_path / "a", weights)
@@ -224,14 +231,17 @@ def test_train_build_runs_end_to_end_deterministically_and_ships(llama_pair, tmp
     out = tmp_path / "c"
     got = shipped.assemble(out, weights, target=str(src))
     assert got["assembled"]["target_fingerprint_matches"]
-    for f in ("draft/draft.safetensors", "draft/embeddings.safetensors", "eagle/eagle.safetensors"):
+    for f in ("draft/draft.safetensors", "draft/embeddings.safetensors", "eagle/eagle.safetensors",
+              "medusa/medusa.safetensors"):
         assert digest(out / f) == digest(tmp_path / "a" / f), f
     assert demo._complete(out)
     engine = Engine.load(ModelConfig(target=str(out / "target"), draft=str(out / "draft"),
-                                     eagle_head=str(out / "eagle"), dtype="float32"), kv_cache_tokens=1024)
+                                     eagle_head=str(out / "eagle"), medusa_heads=str(out / "medusa"),
+                                     dtype="float32"), kv_cache_tokens=1024)
     ids = engine.encode(prompt="the cat")
-    assert engine.generate(ids, max_tokens=10, mode="eagle", k=3).token_ids == \
-        engine.generate(ids, max_tokens=10, mode="off").token_ids
+    plain = engine.generate(ids, max_tokens=10, mode="off").token_ids
+    assert engine.generate(ids, max_tokens=10, mode="eagle", k=3).token_ids == plain
+    assert engine.generate(ids, max_tokens=10, mode="medusa", k=3).token_ids == plain
     data = bytearray((weights / "eagle.safetensors").read_bytes())
     data[-1] ^= 1  # one flipped bit
     (weights / "eagle.safetensors").write_bytes(bytes(data))
@@ -240,9 +250,9 @@ def test_train_build_runs_end_to_end_deterministically_and_ships(llama_pair, tmp
 
 
 def test_the_shipped_weights_match_their_hashes_and_load(tmp_path):
-    """The draft and EAGLE head committed in specdec/demo/weights: every file matches the
-    manifest's SHA-256, together they stay under 30 MB, and both load onto a stand-in with the
-    demo target's shapes (what `specdec demo-models` does with the converted target)."""
+    """The draft, EAGLE head and Medusa heads committed in specdec/demo/weights: every file
+    matches the manifest's SHA-256, together they stay under 33 MB, and all load onto a stand-in
+    with the demo target's shapes (what `specdec demo-models` does with the converted target)."""
     import shutil
 
     from safetensors.torch import save_file
@@ -250,17 +260,20 @@ def test_the_shipped_weights_match_their_hashes_and_load(tmp_path):
 
     from specdec.demo import shipped
     from specdec.models.eagle import load_eagle_head
+    from specdec.models.medusa import load_medusa_heads
 
     assert shipped.available()
     manifest = shipped.verify()
-    assert manifest["bytes"] <= 30 * 2**20, manifest["bytes"]
+    assert manifest["bytes"] <= 33 * 2**20, manifest["bytes"]
     meta = json.loads((shipped.WEIGHTS_DIR / "draft.json").read_text())
     cfg = LlamaConfig(**{**meta["llama_config"], "num_hidden_layers": 1, "tie_word_embeddings": True})
     cfg.architectures = ["LlamaForCausalLM"]
     target = LlamaForCausalLM(cfg).eval()  # random weights, the target's vocabulary and width
     for sub, (name, there) in {"draft": ("draft.safetensors", "draft.safetensors"),
                                "draft/": ("draft.json", MARKER), "eagle": ("eagle.safetensors", "eagle.safetensors"),
-                               "eagle/": ("eagle.json", "specdec_eagle.json")}.items():
+                               "eagle/": ("eagle.json", "specdec_eagle.json"),
+                               "medusa": ("medusa.safetensors", "medusa.safetensors"),
+                               "medusa/": ("medusa.json", "specdec_medusa.json")}.items():
         (tmp_path / sub.rstrip("/")).mkdir(exist_ok=True)
         shutil.copyfile(shipped.WEIGHTS_DIR / name, tmp_path / sub.rstrip("/") / there)
     save_file({"model.embed_tokens.weight": target.model.embed_tokens.weight.detach().to(torch.bfloat16)},
@@ -273,3 +286,7 @@ def test_the_shipped_weights_match_their_hashes_and_load(tmp_path):
         feats = head(torch.randn(1, 3, cfg.hidden_size), torch.tensor([[1, 2, 3]]), torch.arange(3)[None])
     assert int(torch.isfinite(logits[0, -1]).sum()) == len(draft.token_ids) == 8192
     assert int(torch.isfinite(head.logits(feats[0, -1])).sum()) == 8192
+    medusa = load_medusa_heads(tmp_path / "medusa", target)
+    assert torch.equal(medusa.token_ids, draft.token_ids) and medusa.num_heads == 4
+    with torch.no_grad():
+        assert int(torch.isfinite(medusa.logits(feats[0, -1:])).sum()) == 4 * 8192

@@ -467,6 +467,9 @@ def _fake_demo(root, model_type):
     (root / "eagle").mkdir()
     for name in ("specdec_eagle.json", "eagle.safetensors"):
         (root / "eagle" / name).write_text("{}")
+    (root / "medusa").mkdir()
+    for name in ("specdec_medusa.json", "medusa.safetensors"):
+        (root / "medusa" / name).write_text("{}")
     (root / "metrics.json").write_text("{}")
 
 

@@ -1,12 +1,12 @@
 """The offline demo models: SmolLM2-135M-Instruct (target), a distilled 2-layer draft and an
-EAGLE head, both trained on the target by this project.
+EAGLE head and Medusa heads, all trained on the target by this project.
 
 This package builds and trains the demo models; their definitions and loaders are
 :mod:`specdec.models` (which never imports this package).
 
-``build_demo_models()`` writes ``$SPECDEC_HOME/demo/{tokenizer,target,draft,eagle}`` and
+``build_demo_models()`` writes ``$SPECDEC_HOME/demo/{tokenizer,target,draft,eagle,medusa}`` and
 ``metrics.json`` (``SPECDEC_HOME`` defaults to ``~/.cache/specdec``). By default it converts the
-target from the GGUF and takes the draft and the head from the weights shipped in the package
+target from the GGUF and takes the draft and the heads from the weights shipped in the package
 (hashes checked; :mod:`specdec.demo.shipped`); ``train=True`` rebuilds everything from scratch
 (:mod:`specdec.demo.build`). Either runs in a temp directory next to the final one, renamed
 into place at the end, so an interrupted build is never mistaken for a finished one. A second
@@ -28,7 +28,7 @@ from pathlib import Path
 
 # Standard library only, so that a cache hit loads no torch; the builders (``build``,
 # ``exit_adapter``) are imported when a build runs.
-from specdec.models.files import DRAFT_FILES, DRAFT_MARKER, EAGLE_FILES, EXIT_FILES, EXIT_SUMMARY
+from specdec.models.files import DRAFT_FILES, DRAFT_MARKER, EAGLE_FILES, EXIT_FILES, EXIT_SUMMARY, MEDUSA_FILES
 from specdec.paths import specdec_home
 
 from .config import BuildConfig
@@ -44,11 +44,11 @@ def demo_home(home: Path | str | None = None) -> Path:
 
 
 def demo_paths(home: Path | str | None = None) -> dict:
-    """``{"tokenizer": ..., "target": ..., "draft": ..., "eagle": ...}`` (plus ``"root"``,
+    """``{"tokenizer": ..., "target": ..., "draft": ..., "eagle": ..., "medusa": ...}`` (plus ``"root"``,
     ``"metrics"`` and ``"exit"``)."""
     root = demo_home(home)
     return {"tokenizer": root / "tokenizer", "target": root / "target", "draft": root / "draft",
-            "eagle": root / "eagle", "root": root, "metrics": root / "metrics.json", "exit": root / "exit"}
+            "eagle": root / "eagle", "medusa": root / "medusa", "root": root, "metrics": root / "metrics.json", "exit": root / "exit"}
 
 
 def demo_exit_adapter(home: Path | str | None = None) -> Path | None:
@@ -64,6 +64,7 @@ def _complete(root: Path) -> bool:
     files += [p["target"] / f for f in _TARGET_FILES]
     files += [p["draft"] / f for f in _TOKENIZER_FILES + DRAFT_FILES]
     files += [root / "eagle" / f for f in EAGLE_FILES]
+    files += [root / "medusa" / f for f in MEDUSA_FILES]
     if not all(f.is_file() and f.stat().st_size > 0 for f in files):
         return False
     try:
@@ -127,7 +128,7 @@ def build_demo_models(home: Path | str | None = None, *, force: bool = False, tr
                       budget_s: float | None = None, seed: int = 0, config=None, early_exit: bool = False) -> Path:
     """Build (or find cached) demo models; returns the ``demo`` directory.
 
-    Without ``train``: convert the target and add the shipped draft and EAGLE head (about a
+    Without ``train``: convert the target and add the shipped draft, EAGLE and Medusa heads (about a
     minute). ``train`` (or no shipped weights): the whole training build. ``budget_s`` caps its
     training phase by wall-clock (the default fixed step counts are deterministic; a budget
     makes the result depend on machine speed). ``config`` (a
@@ -183,3 +184,8 @@ def _report(root: Path, metrics: dict) -> None:
           f"c = {metrics['cost']['c']:.3f}\n"
           f"  EAGLE agreement: code {e['agreement_code_heldout']:.3f}, chat {e['agreement_chat_heldout']:.3f}; "
           f"c = {e['cost']['c']:.3f}", file=sys.stderr)
+    if "medusa" in metrics:
+        m = metrics["medusa"]
+        print("  Medusa top-1 agreement by head: " + "; ".join(
+            f"{name} " + "/".join(f"{a:.2f}" for a in m[f"agreement_{name}_heldout"]["top1"]) for name in ("code", "chat")),
+            file=sys.stderr)

@@ -12,7 +12,10 @@ Phases (each with a progress bar), one function each below (``_phase_*``):
      trained by distillation (soft top-K targets restricted to the head vocabulary), fp32.
   6. evaluation: greedy top-1 agreement on held-out code / held-out chat answers; cost ratio
      (evaluate.py).
-  7. early exit (optional): adapters distilled from the same teacher data (exit_adapter.py).
+  7. EAGLE head: saved, evaluated (trained in phase 5 beside the draft; eagle.py).
+  8. Medusa heads: trained on the same teacher features by self-distillation, saved, evaluated
+     (medusa.py).
+  9. early exit (optional): adapters distilled from the same teacher data (exit_adapter.py).
 
 The draft's definition and file format are :mod:`specdec.models.draft`; the sizes are
 :class:`specdec.demo.config.BuildConfig`.
@@ -43,6 +46,7 @@ from .corpus import code_chunks, file_heads, function_snippets, read, split_file
 from .eagle import EagleTrainConfig, eagle_agreement, init_eagle_head, train_eagle
 from .evaluate import agreement, eagle_step_time, step_time
 from .exit_adapter import ExitBuildConfig, build_exit_adapters
+from .medusa import MedusaTrainConfig, train_and_save
 from .prompts import chat_prompts
 from .target import convert_target, copy_target, target_fingerprint
 from .teacher import add_features, continue_greedily, generate_answers, teacher_code
@@ -212,7 +216,7 @@ def _tokens(examples: list[dict]) -> int:
 
 
 def build(out: Path, cfg: BuildConfig) -> dict:
-    """Build tokenizer/, target/, draft/, metrics.json (and exit/) into `out` (a fresh directory)."""
+    """Build tokenizer/, target/, draft/, eagle/, medusa/, metrics.json (and exit/) into `out` (a fresh directory)."""
     torch.manual_seed(cfg.seed)
     t_start = time.time()
     tok_dir, target_dir, draft_dir = out / "tokenizer", out / "target", out / "draft"
@@ -221,28 +225,30 @@ def build(out: Path, cfg: BuildConfig) -> dict:
     torch.set_num_threads(cfg.threads or torch.get_num_threads())
     metrics: dict = {"seed": cfg.seed, "torch_threads": torch.get_num_threads(), "config": {
         k: v for k, v in asdict(cfg).items() if k != "log"}}
-    _say("phase 1/7: converting the target")
+    _say("phase 1/8: converting the target")
     target, tok = _phase_target(target_dir, tok_dir, metrics, cfg.target)
-    _say("phase 2/7: corpus")
+    _say("phase 2/8: corpus")
     corpus = _phase_corpus(tok, cfg, metrics)
-    _say("phase 3/7: teacher data from the target")
+    _say("phase 3/8: teacher data from the target")
     teacher = _phase_teacher(target, tok, corpus, cfg, metrics, out / ".work")
-    _say("phase 4/7: head vocabulary")
+    _say("phase 4/8: head vocabulary")
     token_ids = _phase_vocabulary(tok, corpus, teacher, cfg, metrics)
-    _say("phase 5/7: distilling the draft and training the EAGLE head, side by side")
+    _say("phase 5/8: distilling the draft and training the EAGLE head, side by side")
     draft, head = _phase_training(target, token_ids, teacher, cfg, metrics)
-    _say("phase 6/7: the draft, saved and evaluated")
+    _say("phase 6/8: the draft, saved and evaluated")
     trained = sum(p.numel() for n, p in draft.named_parameters() if p.requires_grad)
     save_draft(draft, draft_dir, extra={"built_by": "specdec.demo.build", "seed": cfg.seed})
     tok.save_pretrained(str(draft_dir))
     _phase_evaluation(target, draft_dir, len(token_ids), trained, teacher, metrics)
-    _say("phase 7/7: the EAGLE head, saved and evaluated")
+    _say("phase 7/8: the EAGLE head, saved and evaluated")
     _phase_eagle(target, head, teacher, cfg, out / "eagle", metrics)
+    _say("phase 8/8: the Medusa heads, trained, saved and evaluated")
+    _phase_medusa(target, token_ids, teacher, cfg, out / "medusa", metrics)
     if metrics["target"]["fingerprint"] != target_fingerprint(target):
         raise RuntimeError("training changed the target's weights")
     metrics["target"]["unchanged_by_training"] = True
     if cfg.exit_layers:  # reuses this build's teacher data (see exit_adapter.py)
-        _say("phase 8: early-exit adapters")
+        _say("phase 9: early-exit adapters")
         metrics["early_exit"] = build_exit_adapters(
             out / "exit", target, token_ids, teacher.examples, teacher.heldout,
             ExitBuildConfig(seed=cfg.seed, exit_layers=tuple(cfg.exit_layers), topk=cfg.topk), draft_dir=draft_dir)
@@ -383,3 +389,14 @@ def _phase_eagle(target, head, teacher: _Teacher, cfg: BuildConfig, eagle_dir: P
     t_head = eagle_step_time(loaded)
     t_target = metrics["cost"]["target_bf16_step_ms"] / 1e3
     metrics["eagle"]["cost"] = {"head_fp32_step_ms": round(t_head * 1e3, 2), "c": round(t_head / t_target, 4)}
+
+
+def _phase_medusa(target, token_ids: torch.Tensor, teacher: _Teacher, cfg: BuildConfig, medusa_dir: Path,
+                  metrics: dict) -> None:
+    """8. Train Medusa heads on the teacher's features (self-distillation, the draft's vocabulary),
+    save them (bf16), reload and measure per-head held-out agreement; ``metrics["medusa"]``."""
+    mcfg = MedusaTrainConfig(seed=cfg.seed, num_heads=cfg.medusa_heads, num_layers=cfg.medusa_layers,
+                             steps=cfg.medusa_steps, lr=cfg.medusa_lr, batch_rows=cfg.medusa_batch_rows,
+                             warmup=min(20, max(1, cfg.medusa_steps // 10)), budget_s=cfg.budget_s)
+    metrics["medusa"] = train_and_save(target, token_ids, teacher.examples, teacher.heldout, mcfg, medusa_dir,
+                                       extra={"built_by": "specdec.demo.build"})

@@ -44,6 +44,12 @@ class BuildConfig:
     # the EAGLE head (phase 7): one layer on the target's features, the draft's vocabulary
     eagle_steps: int = 720
     eagle_lr: float = 2e-3
-    eagle_intermediate_size: int | None = 1024  # the head layer's MLP (the target's: 1536); keeps the shipped weights under 30 MB
+    eagle_intermediate_size: int | None = 1024  # the head layer's MLP (the target's: 1536); keeps the draft and this head under 30 MB
+    # the Medusa heads (phase 8): ResBlock heads on the target's features, the same vocabulary
+    medusa_heads: int = 4
+    medusa_layers: int = 1
+    medusa_steps: int = 400
+    medusa_lr: float = 2e-3
+    medusa_batch_rows: int = 512
     exit_layers: tuple = ()  # early-exit adapters after these layers (`--early-exit` adds layer 8)
     log: list = field(default_factory=list)

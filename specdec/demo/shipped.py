@@ -2,12 +2,12 @@
 
 ``specdec/demo/weights/`` holds what ``specdec demo-models --train`` trained (16-bit
 safetensors): the draft's own parameters (its layers and reduced head; the embeddings are the
-target's and are written from the converted target) and the EAGLE head, their markers, the
+target's and are written from the converted target), the EAGLE head and the Medusa heads, their markers, the
 training build's ``metrics.json``, and ``manifest.json`` with the SHA-256 of every file and
 the fingerprint of the target they were trained on.
 
 ``assemble(out)``: convert the target from the GGUF (phase 1 of the build), check every hash,
-and write ``draft/`` and ``eagle/`` from the shipped files: about a minute instead of the
+and write ``draft/``, ``eagle/`` and ``medusa/`` from the shipped files: about a minute instead of the
 training build's hour. ``export(root)`` writes the weights directory from a training build.
 """
 
@@ -20,7 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-from specdec.models.files import DRAFT_EMBEDDINGS, DRAFT_MARKER, DRAFT_WEIGHTS, EAGLE_MARKER, EAGLE_WEIGHTS
+from specdec.models.files import (DRAFT_EMBEDDINGS, DRAFT_MARKER, DRAFT_WEIGHTS, EAGLE_MARKER, EAGLE_WEIGHTS,
+                                  MEDUSA_MARKER, MEDUSA_WEIGHTS)
 
 WEIGHTS_DIR = Path(__file__).parent / "weights"
 MANIFEST = "manifest.json"
@@ -30,6 +31,8 @@ FILES = {
     "draft.json": ("draft", DRAFT_MARKER),
     "eagle.safetensors": ("eagle", EAGLE_WEIGHTS),
     "eagle.json": ("eagle", EAGLE_MARKER),
+    "medusa.safetensors": ("medusa", MEDUSA_WEIGHTS),
+    "medusa.json": ("medusa", MEDUSA_MARKER),
     "metrics.json": (".", "metrics.json"),
 }
 
@@ -58,7 +61,7 @@ def verify(weights: Path = WEIGHTS_DIR) -> dict:
 
 
 def export(root: Path, weights: Path = WEIGHTS_DIR) -> dict:
-    """Copy a training build's draft / EAGLE head / metrics from ``root`` into ``weights`` and
+    """Copy a training build's draft / EAGLE head / Medusa heads / metrics from ``root`` into ``weights`` and
     write the manifest (hashes, the target's fingerprint)."""
     weights.mkdir(parents=True, exist_ok=True)
     for name, (sub, there) in FILES.items():
@@ -72,7 +75,7 @@ def export(root: Path, weights: Path = WEIGHTS_DIR) -> dict:
 
 
 def assemble(out: Path, weights: Path = WEIGHTS_DIR, target: str | None = None) -> dict:
-    """Build ``out`` (tokenizer/, target/, draft/, eagle/, metrics.json) from the GGUF (or the
+    """Build ``out`` (tokenizer/, target/, draft/, eagle/, medusa/, metrics.json) from the GGUF (or the
     Hugging Face directory ``target``) and the shipped weights; returns the metrics (the
     training build's, plus ``"assembled"``)."""
     from safetensors.torch import save_file
@@ -81,7 +84,7 @@ def assemble(out: Path, weights: Path = WEIGHTS_DIR, target: str | None = None) 
 
     t0 = time.time()
     manifest = verify(weights)
-    _say("converting the target; the draft and the EAGLE head are shipped (hashes checked)")
+    _say("converting the target; the draft, the EAGLE head and the Medusa heads are shipped (hashes checked)")
     for sub in ("target", "tokenizer"):
         (out / sub).mkdir(parents=True, exist_ok=True)
     conv = (copy_target(target, out / "target", out / "tokenizer") if target

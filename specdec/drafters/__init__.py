@@ -22,10 +22,12 @@ from specdec.config import ModelConfig, SpeculationConfig
 from specdec.drafters.base import BatchDrafter
 from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.early_exit import EarlyExitDrafter, exit_parts
+from specdec.drafters.medusa import MedusaDrafter
 from specdec.drafters.model import ModelDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.loading import DTYPES, load_model
 from specdec.models.eagle import load_eagle_head
+from specdec.models.medusa import load_medusa_heads
 
 Where = Literal["loop", "draft", "target"]
 
@@ -66,6 +68,11 @@ def _eagle(models: ModelConfig, spec: SpeculationConfig, target: BatchRunner, ca
                         spec.tree_width)
 
 
+def _medusa(models: ModelConfig, spec: SpeculationConfig, target: BatchRunner, capacity: int) -> MedusaDrafter:
+    return MedusaDrafter(target, load_medusa_heads(models.medusa_heads, target.model, DTYPES[models.medusa_dtype]),
+                         spec.tree_width)
+
+
 DRAFTERS: dict[str, DrafterKind] = {
     "ngram": DrafterKind("loop", lambda m: True, _ngram),
     "draft": DrafterKind("draft", lambda m: bool(m.draft), _draft),
@@ -74,6 +81,8 @@ DRAFTERS: dict[str, DrafterKind] = {
                               _early_exit),
     "eagle": DrafterKind("target", lambda m: bool(m.eagle_head), _eagle),
     "eagle_tree": DrafterKind("target", lambda m: bool(m.eagle_head), None, tree_of="eagle"),
+    "medusa": DrafterKind("target", lambda m: bool(m.medusa_heads), _medusa),
+    "medusa_tree": DrafterKind("target", lambda m: bool(m.medusa_heads), None, tree_of="medusa"),
 }
 
 

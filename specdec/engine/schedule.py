@@ -68,7 +68,7 @@ class StepCosts:
     """
 
     def __init__(self, prior_c: dict[str, float] | None = None, prior_verify_slope: float = 0.03):
-        self.prior_c = {"draft": 0.15, "ngram": 0.01, "early_exit": 0.3, "eagle": 0.1, **(prior_c or {})}
+        self.prior_c = {"draft": 0.15, "ngram": 0.01, "early_exit": 0.3, "eagle": 0.1, "medusa": 0.05, **(prior_c or {})}
         self._verify = _Line(PRIOR_STEP_S, prior_verify_slope)
         self._draft: dict[str, _Line] = {}
         self._lock = threading.Lock()

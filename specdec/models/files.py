@@ -4,7 +4,8 @@ A draft directory: ``DRAFT_MARKER`` (marker + config, written last), ``DRAFT_WEI
 ``DRAFT_EMBEDDINGS`` and a copy of the tokenizer. An exit adapter directory: ``EXIT_MARKER``
 (written last) and ``EXIT_WEIGHTS``. The demo's ``exit/`` directory holds ``layer{L}`` adapter
 directories and ``EXIT_SUMMARY``, written when the build is complete. An EAGLE head
-directory: ``EAGLE_MARKER`` (written last) and ``EAGLE_WEIGHTS``.
+directory: ``EAGLE_MARKER`` (written last) and ``EAGLE_WEIGHTS``. A Medusa heads directory:
+``MEDUSA_MARKER`` (written last) and ``MEDUSA_WEIGHTS``.
 """
 
 from __future__ import annotations
@@ -28,3 +29,9 @@ EAGLE_WEIGHTS = "eagle.safetensors"
 EAGLE_FILES = (EAGLE_MARKER, EAGLE_WEIGHTS)
 EAGLE_FORMAT = "specdec-eagle"
 EAGLE_VERSION = 1
+
+MEDUSA_MARKER = "specdec_medusa.json"
+MEDUSA_WEIGHTS = "medusa.safetensors"
+MEDUSA_FILES = (MEDUSA_MARKER, MEDUSA_WEIGHTS)
+MEDUSA_FORMAT = "specdec-medusa"
+MEDUSA_VERSION = 1

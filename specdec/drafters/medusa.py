@@ -1,0 +1,147 @@
+"""``medusa``: Medusa heads on the target's own features: a chain or a token tree per row, one
+batched pass of all heads for the whole step.
+
+The heads (``specdec.models.medusa``) live with the target: its ``BatchRunner`` keeps every fed
+token's final hidden state in a feature pool (``keep_features``; position ``p`` of a sequence
+at pool row ``start + p``). A row's context ``x_0 .. x_{n-1}`` has its last token pending (the
+target holds ``x_0 .. x_{n-2}``), so the feature of the last FED position ``n - 2`` is known:
+the target's LM head there gave ``x_{n-1}``, and head ``d`` there guesses draft ``d + 1``
+(``x_{n+d}``). One batched evaluation of every head for every row is the whole draft step
+(``Drafted.steps == 1``): no head sees another's guess, which is what makes Medusa cheap.
+
+Per row:
+
+- ``row.nodes == 0``: a chain of ``min(k, heads)``: head ``d``'s argmax, cut after the token
+  where the product of the heads' probabilities falls below ``row.stop_below``;
+- ``row.nodes > 0``: a token tree (``specdec.trees``) of at most ``row.nodes`` nodes and depth
+  ``min(k, heads)``, built by ``medusa_tree`` from the heads' top-``width`` log-probs.
+
+Sampled rows get the same argmax chains and trees, proposed as point masses (``probs=None``):
+verification accepts a point mass ``x`` with probability ``p(x)`` and resamples from the
+residual otherwise, which is exact whatever the proposal (``specdec.batch.verify``).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections.abc import Sequence
+
+import torch
+
+from specdec.batch.runner import BatchRow, BatchRunner
+from specdec.drafters.base import EMPTY_PROPOSAL, Drafted, DraftRow, Proposal
+from specdec.models.medusa import MedusaHeads
+
+
+def medusa_tree(top_ids: Sequence[Sequence[int]], top_logp: Sequence[Sequence[float]], nodes: int,
+                width: int | None = None) -> tuple[list[int], tuple[int, ...], tuple[float, ...]]:
+    """The best token tree of at most ``nodes`` nodes from per-depth candidates (EAGLE-2 style).
+
+    ``top_ids[d]`` / ``top_logp[d]`` [w]: head ``d``'s best tokens (distinct) and their
+    log-probs; the tree's depth is at most ``len(top_ids)``. A node's value is the sum of the
+    log-probs along its path (a Medusa head's guess does not depend on the path: every node at
+    depth ``d`` gets the same candidate children, head ``d``'s). Expansion keeps the ``width``
+    best nodes of each depth as its frontier (default: ``nodes``); of every node generated the
+    ``nodes`` best by value are kept. A child's value never exceeds its parent's (ties go to
+    the shallower, then the earlier node), so the kept set is ancestor-closed. Returns
+    ``(tokens, parents, confidence)`` in topological order (by depth, then value), ``parents``
+    as in ``specdec.trees`` (-1: a child of the pending token) and ``confidence`` each node's
+    head probability ``exp(logp)``.
+
+    Worked example (two heads, two candidates each, four nodes)::
+
+        head 0: tokens [5, 7] log-probs [-0.1, -2.5]
+        head 1: tokens [9, 4] log-probs [-0.5, -1.0]
+        depth 1: 5 (-0.1), 7 (-2.5)
+        depth 2: 5>9 (-0.6), 5>4 (-1.1), 7>9 (-3.0), 7>4 (-3.5)
+        best 4: 5, 5>9, 5>4, 7  ->  tokens [5, 7, 9, 4], parents (-1, -1, 0, 0)
+
+    >>> medusa_tree([[5, 7], [9, 4]], [[-0.1, -2.5], [-0.5, -1.0]], 4)[:2]
+    ([5, 7, 9, 4], (-1, -1, 0, 0))
+    """
+    assert len(top_ids) == len(top_logp), (len(top_ids), len(top_logp))
+    if nodes <= 0 or not top_ids:
+        return [], (), ()
+    width = max(1, width or nodes)
+    # a generated node: (value, depth, order, parent's order, token, logp); order = creation index
+    made: list[tuple[float, int, int, int, int, float]] = []
+    frontier = [(0.0, -1)]  # (value, order) of the nodes to expand; the root first
+    for d, (ids, lps) in enumerate(zip(top_ids, top_logp)):
+        assert len(set(ids)) == len(ids), f"head {d}'s candidates repeat a token: {ids}"
+        level = []
+        for value, parent in frontier:
+            for token, lp in zip(ids, lps):
+                node = (value + float(lp), d + 1, len(made), parent, int(token), float(lp))
+                made.append(node)
+                level.append(node)
+        frontier = [(n[0], n[2]) for n in heapq.nsmallest(width, level, key=lambda n: (-n[0], n[2]))]
+    kept = heapq.nsmallest(nodes, made, key=lambda n: (-n[0], n[1], n[2]))
+    kept.sort(key=lambda n: (n[1], -n[0], n[2]))  # by depth: every parent before its children
+    index = {n[2]: i for i, n in enumerate(kept)}
+    parents = tuple(-1 if n[3] == -1 else index[n[3]] for n in kept)
+    return [n[4] for n in kept], parents, tuple(math.exp(n[5]) for n in kept)
+
+
+def medusa_chain(ids: Sequence[int], logp: Sequence[float], stop_below: float = 0.0) -> Proposal:
+    """Head ``d``'s argmax for each depth ``d``, as point masses; cut after the token where the
+    product of their probabilities falls below ``stop_below`` (the drafter's own belief only)."""
+    tokens, confidence, reach = [], [], 1.0
+    for token, lp in zip(ids, logp):
+        c = math.exp(lp)
+        tokens.append(int(token))
+        confidence.append(c)
+        reach *= c
+        if reach < stop_below:
+            break
+    return Proposal(tokens, None, tuple(confidence))
+
+
+class MedusaDrafter:
+    """Medusa heads drafting on the target's ``BatchRunner`` (its feature pool); ``width``: the
+    candidates per head a tree considers (EAGLE-2's top-k)."""
+
+    name = "medusa"
+
+    def __init__(self, runner: BatchRunner, heads: MedusaHeads, width: int = 4):
+        runner.keep_features()
+        self.runner, self.heads, self.width = runner, heads.eval(), width
+
+    @torch.inference_mode()
+    def propose(self, rows: list[DraftRow]) -> Drafted:
+        began, runner = time.perf_counter(), self.runner
+        todo = [i for i, r in enumerate(rows) if r.k and len(r.context) >= 2]
+        proposals = [EMPTY_PROPOSAL] * len(rows)
+        if not todo:
+            return Drafted(proposals, time.perf_counter() - began, 0)
+        # The target must hold each row's context but its last token (it does after the previous
+        # verify; after a restart the full model catches up first), so f_{n-2} exists.
+        behind = [BatchRow(rows[i].key, rows[i].context[:-1], 0, rows[i].start, rows[i].capacity) for i in todo
+                  if runner.cached_ids(rows[i].key) != rows[i].context[:-1]]
+        if behind:
+            runner.forward(behind)
+        depth = min(self.heads.num_heads, max(rows[i].k for i in todo))
+        width = min(self.width, len(self.heads.token_ids))
+        with runner.lock:
+            at = torch.tensor([rows[i].start + len(rows[i].context) - 2 for i in todo], device=runner.device)
+            features = runner.features[at]  # [R, d] the last fed position of each row
+        logits = self.heads.reduced_logits(features)[:, :depth].float()  # [R, K, H] one batched pass
+        top_logp, top_j = torch.log_softmax(logits, -1).topk(width, -1)  # [R, K, w]
+        top_ids = self.heads.token_ids[top_j].tolist()
+        top_logp = top_logp.tolist()
+        for j, i in enumerate(todo):
+            r = rows[i]
+            k = min(r.k, depth)
+            if r.nodes <= 0:
+                proposals[i] = medusa_chain([t[0] for t in top_ids[j][:k]], [v[0] for v in top_logp[j][:k]],
+                                            r.stop_below)
+            else:
+                w = min(width, r.nodes)
+                tokens, parents, confidence = medusa_tree([t[:w] for t in top_ids[j][:k]],
+                                                          [v[:w] for v in top_logp[j][:k]], r.nodes)
+                proposals[i] = Proposal(tokens, None, confidence, parents)
+        return Drafted(proposals, time.perf_counter() - began, 1)
+
+    def release(self, key: str) -> None:
+        """Nothing is kept per sequence: the features are the target's."""
