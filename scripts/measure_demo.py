@@ -103,7 +103,8 @@ def _demo_engine(**models):
 
     paths = demo_paths()
     return Engine.load(ModelConfig(target=str(paths["target"]), draft=str(paths["draft"]),
-                                   eagle_head=str(paths["eagle"]), **models), SpeculationConfig(), kv_cache_tokens=32768)
+                                   eagle_head=str(paths["eagle"]), medusa_heads=str(paths["medusa"]), **models),
+                       SpeculationConfig(), kv_cache_tokens=32768)
 
 
 def load(levels=(4, 16), requests: int = 2, max_tokens: int = 64) -> None:
@@ -165,9 +166,12 @@ def trees(max_tokens: int = 64, per_workload: int = 4) -> None:
         prompts = build_prompts(engine.tokenizer, [workload], per_workload)
         for mode, nodes, width, k in (("eagle", 0, 0, 4), ("eagle_tree", 16, 4, 4), ("eagle_tree", 32, 6, 5),
                                       ("eagle_tree", 48, 8, 6), ("draft", 0, 0, 4), ("draft_tree", 16, 4, 4),
-                                      ("draft_tree", 32, 6, 5)):
+                                      ("draft_tree", 32, 6, 5), ("medusa", 0, 0, 4), ("medusa_tree", 16, 4, 4),
+                                      ("medusa_tree", 32, 6, 4)):
             engine.policy_config = PolicyConfig(tree_nodes=max(1, nodes))
-            engine.loop.target.drafters["eagle"].tree_width = engine.loop.draft.drafter.tree_width = max(1, width)
+            for drafter in (engine.loop.target.drafters["eagle"], engine.loop.draft.drafter):
+                drafter.tree_width = max(1, width)
+            engine.loop.target.drafters["medusa"].width = max(1, width)
             acc = rounds = 0
             for p in prompts:
                 r = engine.generate(p.ids, max_tokens=max_tokens, mode=mode, k=k, ignore_eos=True)

@@ -236,8 +236,8 @@ def test_concurrency_sweep_against_a_fake_server(fake_url):
 
 def test_config_list_and_filters(monkeypatch):
     names = [c.name for c in build_configs((4,), quick=True, http=False)]
-    assert names == ["off", "draft-k4", "ngram-k4", "early_exit-k4", "eagle-k4", "draft_tree-k4", "eagle_tree-k4",
-                     "draft-adaptive", "eagle-adaptive", "auto", "hf-plain", "hf-assisted-default", "hf-assisted-constant-k4", "hf-lookup-k10"]
+    assert names == ["off", "draft-k4", "ngram-k4", "early_exit-k4", "eagle-k4", "medusa-k4", "draft_tree-k4",
+                     "eagle_tree-k4", "medusa_tree-k4", "draft-adaptive", "eagle-adaptive", "auto", "hf-plain", "hf-assisted-default", "hf-assisted-constant-k4", "hf-lookup-k10"]
     full = build_configs((2, 4, 6), quick=False, http=True)
     assert {"draft-k2", "draft-k6", "ngram-k6", "ngram-adaptive", "hf-assisted-heuristic-k5", "hf-lookup-k2",
             "hf-assisted-constant-k6", "http-off", "http-draft-k4", "http-auto"} <= {c.name for c in full}
@@ -413,8 +413,9 @@ def test_quick_tiny_run_writes_every_field(tiny_home, capsys):
     table = capsys.readouterr().out
     assert "== grounded ==" in table and "== targets ==" in table
 
-    expected = [c.name for c in build_configs((4,), quick=True, http=False) if not c.name.startswith("eagle")]
-    assert [s["name"] for s in report["skipped"]] == ["eagle-k4", "eagle_tree-k4", "eagle-adaptive"]  # no head here
+    expected = [c.name for c in build_configs((4,), quick=True, http=False) if not c.name.startswith(("eagle", "medusa"))]
+    assert [s["name"] for s in report["skipped"]] == ["eagle-k4", "medusa-k4", "eagle_tree-k4", "medusa_tree-k4",
+                                                            "eagle-adaptive"]  # no heads here
     assert report["models"]["drafters"] == ["draft", "draft_tree", "early_exit", "ngram"]
     assert report["models"]["dtype"] == report["models"]["dtype_used"] == "float32"
     # v(k) at --ks and below, the policy's k_max (8) and transformers' lookup default (10).
@@ -505,7 +506,8 @@ def test_quick_tiny_run_with_a_server(tiny_home, fake_url, capsys):
     assert "== HTTP concurrency ==" in capsys.readouterr().out
     names = [r["name"] for r in report["configurations"] if r["workload"] == "chat"]
     assert names == ["off", "draft-k4", "auto", "http-off", "http-draft-k4", "http-ngram-k4", "http-early_exit-k4",
-                     "http-eagle-k4", "http-draft_tree-k4", "http-eagle_tree-k4", "http-auto"]
+                     "http-eagle-k4", "http-medusa-k4", "http-draft_tree-k4", "http-eagle_tree-k4",
+                     "http-medusa_tree-k4", "http-auto"]
     http = [r for r in report["configurations"] if r["runner"] == "http"]
     for r in http:
         assert set(r) == set(ROW_FIELDS)
@@ -527,7 +529,8 @@ def test_quick_tiny_run_with_a_server(tiny_home, fake_url, capsys):
                     '{"mode": "ngram", "num_speculative_tokens": 4}',
                     '{"mode": "early_exit", "num_speculative_tokens": 4}',
                     '{"mode": "eagle", "num_speculative_tokens": 4}', '{"mode": "auto"}',
-                    '{"mode": "draft_tree", "num_speculative_tokens": 4}', '{"mode": "eagle_tree", "num_speculative_tokens": 4}'}
+                    '{"mode": "draft_tree", "num_speculative_tokens": 4}', '{"mode": "eagle_tree", "num_speculative_tokens": 4}',
+                    '{"mode": "medusa", "num_speculative_tokens": 4}', '{"mode": "medusa_tree", "num_speculative_tokens": 4}'}
 
 
 def test_ideal_from_measured_tokens_credits_runs_of_acceptance():

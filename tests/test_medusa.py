@@ -250,7 +250,7 @@ def test_medusa_in_a_batch_with_other_modes_and_auto(engine):
     [t.join(timeout=120) for t in threads]
     assert [got[j] for j in range(len(ids))] == plain
     policy = engine.loop._new_policy(engine.request(ids[0], max_tokens=1, mode="auto"))
-    assert set(policy.modes) == {"ngram", "medusa"}
+    assert set(policy.modes) == {"ngram", "medusa", "medusa_tree"}
 
 
 def test_sampled_medusa_has_the_target_distribution(engine, monkeypatch):

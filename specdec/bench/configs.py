@@ -35,8 +35,10 @@ OUR_MODES: dict[str, tuple[str, ...]] = {
     "ngram": ("fixed", "adaptive"),
     "early_exit": ("fixed",),
     "eagle": ("fixed", "adaptive"),
+    "medusa": ("fixed",),
     "draft_tree": ("fixed", "adaptive"),
     "eagle_tree": ("fixed", "adaptive"),
+    "medusa_tree": ("fixed",),
     "auto": ("adaptive",),
 }
 

@@ -66,8 +66,8 @@ def tiny_pair(arch: str = "llama") -> dict[str, Path]:
 
 
 def resolve_models(opts: BenchOptions) -> tuple[str, str | None, dict]:
-    """Target, draft, and the target-side drafters' settings (the demo's EAGLE head and exit
-    adapter, if built; a raw exit on tiny)."""
+    """Target, draft, and the target-side drafters' settings (the demo's EAGLE and Medusa heads
+    and exit adapter, if built; a raw exit on tiny)."""
     if opts.target:
         return opts.target, opts.draft, {}
     if opts.tiny:
@@ -77,7 +77,8 @@ def resolve_models(opts: BenchOptions) -> tuple[str, str | None, dict]:
 
     build_demo_models()  # returns at once when cached
     paths, adapter = demo_paths(), demo_exit_adapter()
-    local = {"eagle_head": str(paths["eagle"])} | ({"early_exit_adapter": str(adapter)} if adapter else {})
+    local = {"eagle_head": str(paths["eagle"]), "medusa_heads": str(paths["medusa"])}
+    local |= {"early_exit_adapter": str(adapter)} if adapter else {}
     return str(paths["target"]), opts.draft or str(paths["draft"]), local
 
 
