@@ -48,7 +48,7 @@ def resolve_models(models: ModelConfig) -> ModelConfig:
 
 def resolve_model_path(name: str | None) -> str | None:
     """``demo:target`` / ``demo:draft`` / ``demo:eagle`` / ``demo:medusa`` / ``demo:exit`` name what ``specdec demo-models``
-    builds (``demo:exit`` with ``--early-exit``)."""
+    builds."""
     if name is None or not name.startswith("demo:"):
         return name
     from specdec.demo import demo_paths
@@ -60,7 +60,7 @@ def resolve_model_path(name: str | None) -> str | None:
 
         adapter = demo_exit_adapter()
         if adapter is None:
-            raise ValueError("demo:exit is not built yet: run `specdec demo-models --early-exit` first")
+            raise ValueError("demo:exit is not built yet: run `specdec demo-models` first")
         return str(adapter)
     if role not in ("target", "draft", "eagle", "medusa"):
         raise ValueError(f"unknown demo model {name!r}: use demo:target, demo:draft, demo:eagle, demo:medusa "

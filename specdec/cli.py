@@ -148,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--train", action="store_true",
                       help="train the draft and the EAGLE head from scratch instead of using the shipped "
                       "weights (about an hour on 2 cores; deterministic)")
-    demo.add_argument("--early-exit", action="store_true", help="also build the early-exit adapters")
+    demo.add_argument("--early-exit", action="store_true",
+                      help="also add the early-exit adapter (the shipped one; built when none ships)")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=cmd_demo_models)
 

@@ -126,6 +126,22 @@ def test_demo_paths(tmp_path, monkeypatch):
     assert demo.demo_paths()["root"] == Path.home() / ".cache" / "specdec" / "demo"
 
 
+def test_a_cache_without_the_exit_adapter_gets_the_shipped_one(tmp_path):
+    """A finished cache from before the early-exit adapter shipped: demo:exit installs it (a
+    hash-checked copy, no build), so the default configuration's early_exit mode is there."""
+    from specdec.demo import shipped
+    from specdec.models.exit_adapter import load_exit_adapter
+
+    home = tmp_path / "home"
+    _fake_demo(home / "demo", tmp_path)
+    assert not (home / "demo" / "exit").exists()
+    adapter = demo.demo_exit_adapter(home)
+    layer = json.loads((shipped.WEIGHTS_DIR / "exit_summary.json").read_text())["best_layer"]
+    assert adapter == home / "demo" / "exit" / f"layer{layer}" and demo._exit_complete(home / "demo")
+    assert load_exit_adapter(adapter).exit_layer == layer
+    assert demo.demo_exit_adapter(home) == adapter  # installed once
+
+
 def test_cache_hit_returns_at_once(tmp_path, monkeypatch):
     import specdec.demo.build as build_mod
     import specdec.demo.shipped as shipped
@@ -264,7 +280,7 @@ def test_the_shipped_weights_match_their_hashes_and_load(tmp_path):
 
     assert shipped.available()
     manifest = shipped.verify()
-    assert manifest["bytes"] <= 33 * 2**20, manifest["bytes"]
+    assert manifest["bytes"] <= 48 * 2**20, manifest["bytes"]
     meta = json.loads((shipped.WEIGHTS_DIR / "draft.json").read_text())
     cfg = LlamaConfig(**{**meta["llama_config"], "num_hidden_layers": 1, "tie_word_embeddings": True})
     cfg.architectures = ["LlamaForCausalLM"]
@@ -290,3 +306,15 @@ def test_the_shipped_weights_match_their_hashes_and_load(tmp_path):
     assert torch.equal(medusa.token_ids, draft.token_ids) and medusa.num_heads == 4
     with torch.no_grad():
         assert int(torch.isfinite(medusa.logits(feats[0, -1:])).sum()) == 4 * 8192
+    # the early-exit adapter ships too: assembled where demo:exit finds it, the draft's vocabulary
+    from specdec.models.exit_adapter import load_exit_adapter
+
+    placed = shipped.shipped_files()
+    assert {n for n, (sub, _) in placed.items() if sub.startswith("exit")} == set(shipped.EXIT_FILES)
+    for name, (sub, there) in placed.items():
+        if sub.startswith("exit"):
+            (tmp_path / sub).mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(shipped.WEIGHTS_DIR / name, tmp_path / sub / there)
+    (layer,) = (tmp_path / "exit").glob("layer*")
+    adapter = load_exit_adapter(layer)
+    assert torch.equal(adapter.token_ids.cpu(), draft.token_ids) and adapter.exit_layer == 8

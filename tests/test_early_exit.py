@@ -489,8 +489,11 @@ def test_a_cached_demo_gets_the_exit_added_without_a_rebuild(tmp_path, monkeypat
             (root / "exit" / "layer8" / name).write_text("{}")
         (root / "exit" / "exit.json").write_text(json.dumps({"layers": {"8": {}}}))
 
+    import specdec.demo.shipped as shipped
+
     monkeypatch.setattr(build_mod, "build", boom)
     monkeypatch.setattr(exit_mod, "add_exit_adapters", fake_add)
+    monkeypatch.setattr(shipped, "install_exit", lambda root, weights=None: False)  # none shipped: a build
     home = tmp_path / "home"
     _fake_demo(home / "demo", "llama")
     assert demo.build_demo_models(home) == home / "demo" and calls == []  # not asked for

@@ -42,7 +42,7 @@ def _config(tmp_path: Path, pair: dict) -> Path:
     config["http_options"]["port"] = HTTP_PORT
     models = config["applications"][0]["args"]["models"]
     models.update(target=str(pair["target"]), draft=str(pair["draft"]), dtype="float32", draft_dtype="float32")
-    models.pop("eagle_head"), models.pop("medusa_heads")
+    models.pop("eagle_head"), models.pop("medusa_heads"), models.pop("early_exit_adapter")
     path = tmp_path / "serve_config.yaml"
     path.write_text(yaml.safe_dump(config))
     return path

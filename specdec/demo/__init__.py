@@ -52,7 +52,13 @@ def demo_paths(home: Path | str | None = None) -> dict:
 
 
 def demo_exit_adapter(home: Path | str | None = None) -> Path | None:
-    """The demo's early-exit adapter (the shallowest exit layer built), or None."""
+    """The demo's early-exit adapter (the shallowest exit layer built), or None. A finished cache
+    without one gets the shipped adapter (hashes checked; a copy, no build)."""
+    from . import shipped
+
+    root = demo_home(home)
+    if _complete(root) and not _exit_complete(root):
+        shipped.install_exit(root)
     built = sorted(demo_paths(home)["exit"].glob("layer*"), key=lambda p: int(p.name[5:]))
     return built[0] if built else None
 
@@ -112,8 +118,11 @@ def _exit_buildable(root: Path) -> bool:
 
 
 def _ensure_exit(root: Path) -> None:
-    """Phase 7: add the early-exit adapters to a finished cache that lacks them."""
-    if _exit_complete(root):
+    """Phase 7: add the early-exit adapters to a finished cache that lacks them (the shipped
+    adapter when there is one, else a build)."""
+    from . import shipped
+
+    if _exit_complete(root) or (shipped.install_exit(root) and _exit_complete(root)):
         return
     if not _exit_buildable(root):
         print(f"[specdec demo] no early-exit adapters: {root / 'target'} is not a Llama/GPT-2 model",

@@ -2,12 +2,13 @@
 
 ``specdec/demo/weights/`` holds what ``specdec demo-models --train`` trained (16-bit
 safetensors): the draft's own parameters (its layers and reduced head; the embeddings are the
-target's and are written from the converted target), the EAGLE head and the Medusa heads, their markers, the
+target's and are written from the converted target), the EAGLE head, the Medusa heads and the
+early-exit adapter (with the exit summary; ``install_exit`` adds it to an older cache), their markers, the
 training build's ``metrics.json``, and ``manifest.json`` with the SHA-256 of every file and
 the fingerprint of the target they were trained on.
 
 ``assemble(out)``: convert the target from the GGUF (phase 1 of the build), check every hash,
-and write ``draft/``, ``eagle/`` and ``medusa/`` from the shipped files: about a minute instead of the
+and write ``draft/``, ``eagle/``, ``medusa/`` and ``exit/`` from the shipped files: about a minute instead of the
 training build's hour. ``export(root)`` writes the weights directory from a training build.
 """
 
@@ -21,7 +22,7 @@ import time
 from pathlib import Path
 
 from specdec.models.files import (DRAFT_EMBEDDINGS, DRAFT_MARKER, DRAFT_WEIGHTS, EAGLE_MARKER, EAGLE_WEIGHTS,
-                                  MEDUSA_MARKER, MEDUSA_WEIGHTS)
+                                  EXIT_MARKER, EXIT_SUMMARY, EXIT_WEIGHTS, MEDUSA_MARKER, MEDUSA_WEIGHTS)
 
 WEIGHTS_DIR = Path(__file__).parent / "weights"
 MANIFEST = "manifest.json"
@@ -35,6 +36,27 @@ FILES = {
     "medusa.json": ("medusa", MEDUSA_MARKER),
     "metrics.json": (".", "metrics.json"),
 }
+# The early-exit adapter, shipped when the training build made one (its layer is in exit.json):
+# shipped name -> name in the demo's exit/layer{L}/ (EXIT_SUMMARY: in exit/ itself).
+EXIT_FILES = {"exit.safetensors": EXIT_WEIGHTS, "exit.json": EXIT_MARKER, "exit_summary.json": EXIT_SUMMARY}
+
+
+def _exit_layer(summary: Path) -> int | None:
+    """The layer of the adapter an exit summary names (None: no adapter there)."""
+    try:
+        return int(json.loads(summary.read_text())["best_layer"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def shipped_files(weights: Path = WEIGHTS_DIR) -> dict[str, tuple[str, str]]:
+    """Every shipped name -> (demo subdirectory, name there): ``FILES``, plus the exit adapter's
+    when it is shipped."""
+    layer = _exit_layer(weights / "exit_summary.json")
+    if layer is None:
+        return dict(FILES)
+    return {**FILES, **{name: ("exit" if there == EXIT_SUMMARY else f"exit/layer{layer}", there)
+                        for name, there in EXIT_FILES.items()}}
 
 
 def sha256(path: Path) -> str:
@@ -46,13 +68,13 @@ def sha256(path: Path) -> str:
 
 
 def available(weights: Path = WEIGHTS_DIR) -> bool:
-    return (weights / MANIFEST).is_file() and all((weights / name).is_file() for name in FILES)
+    return (weights / MANIFEST).is_file() and all((weights / name).is_file() for name in shipped_files(weights))
 
 
 def verify(weights: Path = WEIGHTS_DIR) -> dict:
     """The manifest, after checking every shipped file against its SHA-256 (ValueError if not)."""
     manifest = json.loads((weights / MANIFEST).read_text())
-    for name in FILES:
+    for name in {*shipped_files(weights), *manifest["sha256"]}:
         want, got = manifest["sha256"].get(name), sha256(weights / name)
         if want != got:
             raise ValueError(f"{weights / name}: SHA-256 {got} does not match the manifest's {want}; "
@@ -64,14 +86,44 @@ def export(root: Path, weights: Path = WEIGHTS_DIR) -> dict:
     """Copy a training build's draft / EAGLE head / Medusa heads / metrics from ``root`` into ``weights`` and
     write the manifest (hashes, the target's fingerprint)."""
     weights.mkdir(parents=True, exist_ok=True)
-    for name, (sub, there) in FILES.items():
-        shutil.copyfile(root / sub / there, weights / name)
+    files = dict(FILES)
+    layer = _exit_layer(root / "exit" / EXIT_SUMMARY)
+    if layer is not None:  # the adapter, its marker and the exit summary; weights in 16 bits
+        files |= {name: ("exit" if there == EXIT_SUMMARY else f"exit/layer{layer}", there)
+                  for name, there in EXIT_FILES.items()}
+    for name, (sub, there) in files.items():
+        if name == "exit.safetensors":
+            _save_16bit(root / sub / there, weights / name)
+        else:
+            shutil.copyfile(root / sub / there, weights / name)
     metrics = json.loads((root / "metrics.json").read_text())
-    manifest = {"sha256": {name: sha256(weights / name) for name in FILES},
+    manifest = {"sha256": {name: sha256(weights / name) for name in files},
                 "target_fingerprint": metrics["target"]["fingerprint"],
-                "bytes": sum((weights / name).stat().st_size for name in FILES)}
+                "bytes": sum((weights / name).stat().st_size for name in files)}
     (weights / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
+
+
+def install_exit(root: Path, weights: Path = WEIGHTS_DIR) -> bool:
+    """Write the shipped early-exit adapter into the demo directory ``root`` (exit/layer{L} and
+    the exit summary, hashes checked); False when none ships."""
+    placed = {name: where for name, where in shipped_files(weights).items() if where[0].startswith("exit")}
+    if not placed:
+        return False
+    verify(weights)
+    for name, (sub, there) in placed.items():
+        (root / sub).mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(weights / name, root / sub / there)
+    return True
+
+
+def _save_16bit(src: Path, dst: Path) -> None:
+    """A safetensors file with its float tensors in bfloat16 (ids stay as they are)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    state = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in load_file(str(src)).items()}
+    save_file(state, str(dst))
 
 
 def assemble(out: Path, weights: Path = WEIGHTS_DIR, target: str | None = None) -> dict:
@@ -94,7 +146,7 @@ def assemble(out: Path, weights: Path = WEIGHTS_DIR, target: str | None = None) 
     if fingerprint != manifest["target_fingerprint"]:  # still exact, but maybe a weaker draft
         _say("warning: the converted target differs from the one the shipped weights were trained on "
                  "(another transformers/gguf version?); speculation stays exact, acceptance may drop")
-    for name, (sub, there) in FILES.items():
+    for name, (sub, there) in shipped_files(weights).items():
         (out / sub).mkdir(parents=True, exist_ok=True)
         shutil.copyfile(weights / name, out / sub / there)
     import torch
