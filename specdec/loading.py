@@ -46,3 +46,13 @@ def check_same_vocabulary(target_tokenizer, draft_tokenizer) -> None:
             f"target's vocabulary (target has {len(target_tokenizer)} tokens, draft has "
             f"{len(draft_tokenizer)})"
         )
+
+
+def load_weights(file) -> dict:
+    """A checkpoint's tensors: safetensors, or a torch pickle loaded with ``weights_only``."""
+    file = Path(file)
+    if file.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(file))
+    return torch.load(file, map_location="cpu", weights_only=True)

@@ -40,6 +40,7 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
+from specdec.loading import load_weights
 from specdec.models.files import EAGLE_FORMAT, EAGLE_MARKER, EAGLE_VERSION, EAGLE_WEIGHTS
 
 
@@ -169,7 +170,7 @@ def load_eagle_head(path, target: nn.Module, dtype: torch.dtype = torch.float32)
         cfg_d = {k: v for k, v in meta["llama_config"].items() if k != "transformers_version"}
         head = EagleHead(LlamaConfig(**cfg_d), int(meta["head_vocab_size"]), input_norm=meta["input_norm"],
                          output_norm=meta["output_norm"], fc_bias=meta.get("fc_bias", True))
-        sd = _load_weights(path / meta.get("weights", EAGLE_WEIGHTS))
+        sd = load_weights(path / meta.get("weights", EAGLE_WEIGHTS))
     elif _is_eagle1_dir(path):
         head, sd = _eagle1(path, target)
     else:
@@ -186,14 +187,6 @@ def load_eagle_head(path, target: nn.Module, dtype: torch.dtype = torch.float32)
     return head.bind_target(target).eval()
 
 
-def _load_weights(file: Path) -> dict[str, torch.Tensor]:
-    if file.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        return load_file(str(file))
-    return torch.load(file, map_location="cpu", weights_only=True)
-
-
 # EAGLE-1's released checkpoints (e.g. yuhuili/EAGLE-llama2-chat-7B): a LlamaConfig with one
 # layer, and weights ``fc.weight`` / ``fc.bias`` / ``layers.0.*`` (no input norm in that layer,
 # no output norm: the prediction goes straight to the target's full LM head).
@@ -206,7 +199,7 @@ def _is_eagle1_dir(path: Path) -> bool:
 
 def _eagle1(path: Path, target: nn.Module) -> tuple[EagleHead, dict]:
     file = next(path / f for f in _EAGLE1_WEIGHTS if (path / f).is_file())
-    raw = _load_weights(file)
+    raw = load_weights(file)
     if "fc.weight" not in raw:
         raise ValueError(f"{file} has no fc.weight: not an EAGLE-1 head")
     cfg_d = json.loads((path / "config.json").read_text())

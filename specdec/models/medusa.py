@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from specdec.loading import load_weights
 from specdec.models.files import MEDUSA_FORMAT, MEDUSA_MARKER, MEDUSA_VERSION, MEDUSA_WEIGHTS
 
 
@@ -165,10 +166,10 @@ def load_medusa_heads(path, target: nn.Module, dtype: torch.dtype = torch.float3
             raise ValueError(f"{path / MEDUSA_MARKER} is not a specdec Medusa marker")
         heads = MedusaHeads(meta["hidden_size"], meta["vocab_size"], meta["num_heads"], meta["num_layers"],
                             head_vocab_size=meta["head_vocab_size"])
-        sd = _load_weights(path / meta.get("weights", MEDUSA_WEIGHTS))
+        sd = load_weights(path / meta.get("weights", MEDUSA_WEIGHTS))
     elif (file := _released_weights(path)) is not None:
         cfg = json.loads((path / "config.json").read_text())
-        raw = {k.removeprefix("medusa_head."): v for k, v in _load_weights(file).items()}
+        raw = {k.removeprefix("medusa_head."): v for k, v in load_weights(file).items()}
         num_heads, num_layers = int(cfg["medusa_num_heads"]), int(cfg.get("medusa_num_layers", 1))
         heads = MedusaHeads(d, vocab, num_heads, num_layers, own_heads=True)
         sd = {"heads." + k: v for k, v in raw.items()}
@@ -183,14 +184,6 @@ def load_medusa_heads(path, target: nn.Module, dtype: torch.dtype = torch.float3
         raise ValueError(f"Medusa weights mismatch: missing={missing} unexpected={unexpected}")
     heads = heads.to(dtype=dtype, device=next(target.parameters()).device)
     return heads.bind_target(target).eval()
-
-
-def _load_weights(file: Path) -> dict[str, torch.Tensor]:
-    if file.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        return load_file(str(file))
-    return torch.load(file, map_location="cpu", weights_only=True)
 
 
 _RELEASED_WEIGHTS = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
