@@ -180,7 +180,7 @@ def _models(args) -> dict:
     exit_adapter = demo_exit_adapter()
     return {"target": str(paths["target"]), "draft": str(paths["draft"]), "dtype": args.dtype,
             "draft_dtype": "auto", "early_exit_adapter": str(exit_adapter) if exit_adapter else None,
-            "eagle_head": str(paths["eagle"])}
+            "eagle_head": str(paths["eagle"]), "medusa_heads": str(paths["medusa"])}
 
 
 def run(args) -> dict:
