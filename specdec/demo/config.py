@@ -45,5 +45,14 @@ class BuildConfig:
     eagle_steps: int = 720
     eagle_lr: float = 2e-3
     eagle_intermediate_size: int | None = 1024  # the head layer's MLP (the target's: 1536); keeps the shipped weights under 30 MB
+    # EAGLE-3's training-time test: unroll the head this many steps on its own predictions
+    eagle_ttt_steps: int = 3
+    # diverse teacher prompts for the EAGLE head (diverse_prompts.py, eagle_data.py): answers
+    # generated in diverse_gen_dtype, labels and features recomputed in float32
+    n_diverse: int = 320
+    n_self_instruct: int = 64
+    self_instruct_tokens: int = 40
+    diverse_new_tokens: int = 80
+    diverse_gen_dtype: str = "bfloat16"
     exit_layers: tuple = ()  # early-exit adapters after these layers (`--early-exit` adds layer 8)
     log: list = field(default_factory=list)

@@ -1,0 +1,61 @@
+"""The training half of ``scripts/eagle3.py``: train / evaluate an EAGLE head on the data that
+``eagle3.py data`` cached (the library's functions: specdec.demo.eagle)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from eagle3 import DEMO, load_target
+from specdec.demo.eagle import EagleTrainConfig, eagle_agreement, init_eagle_head, train_eagle
+from specdec.models.eagle import load_eagle_head, save_eagle_head
+
+log = logging.getLogger("eagle3")
+
+
+def held_out(work: Path) -> dict:
+    return torch.load(work / "heldout.pt")
+
+
+def agreements(head, held: dict, depths=(1, 2, 3)) -> dict:
+    return {f"depth{d}_{name}": round(eagle_agreement(head, held[name], d), 4) for name in ("chat", "code")
+            for d in depths}
+
+
+def evaluate(args, cfg) -> dict:
+    target, _ = load_target()
+    head = load_eagle_head(args.dir or DEMO / "eagle", target, torch.float32)
+    out = agreements(head, held_out(args.work))
+    log.info("held-out agreement of %s: %s", args.dir, out)
+    return out
+
+
+def train(args, cfg) -> dict:
+    target, _ = load_target()
+    work = args.work
+    diverse = torch.load(work / "diverse" / "diverse.pt")
+    code = torch.load(work / "code.pt")
+    examples = diverse["examples"] + code
+    shipped = load_eagle_head(DEMO / "eagle", target, torch.float32)
+    tcfg = EagleTrainConfig(seed=cfg.seed, steps=args.steps, batch_tokens=cfg.batch_tokens, lr=args.lr, warmup=10,
+                            intermediate_size=cfg.eagle_intermediate_size, ttt_steps=args.ttt)
+    if args.init is not None:
+        head = load_eagle_head(args.init, target, torch.float32).train()
+    else:
+        head = init_eagle_head(target, shipped.token_ids, tcfg)
+    tag = f"ttt{args.ttt}-s{args.steps}-lr{args.lr:g}-{'init' if args.init else 'fresh'}"
+    t = time.time()
+    stats = train_eagle(head, examples, tcfg, checkpoint=work / f"ckpt-{tag}.pt")
+    out_dir = work / f"eagle-{tag}"
+    save_eagle_head(head, out_dir, extra={"built_by": "scripts/eagle3.py", "seed": cfg.seed, "ttt_steps": args.ttt})
+    loaded = load_eagle_head(out_dir, target, torch.float32)
+    res = {"tag": tag, "training": stats, "wall_s": round(time.time() - t, 1), "init": str(args.init),
+           "examples": {"diverse": len(diverse["examples"]), "code": len(code)},
+           "label_tokens": sum(len(e["pos"]) for e in examples), **agreements(loaded, held_out(work))}
+    (work / f"result-{tag}.json").write_text(json.dumps(res, indent=2))
+    log.info("%s", res)
+    return res
