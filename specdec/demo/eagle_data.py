@@ -5,6 +5,9 @@ faster on CPUs with AVX-512 BF16); then one float32 forward per example, teacher
 prompt + answer, recomputes the top-K log-probs at the answer positions and the features, so
 the labels are the float32 target's own distribution at each context. Self-instruct: the
 target first writes questions about topics (``self_instruct_seeds``), which join the prompts.
+Docstring answers (``docstring_examples``, no generation): a question about a stdlib function
+answered with its docstring, labelled with the target's distribution at each answer token (as
+EAGLE-1 trained on fixed chat data rather than the target's own answers).
 
 Every stage checkpoints under ``work`` (generation per batch, the results as a whole), so an
 interrupted run resumes. Examples have the teacher format (``specdec.demo.teacher``) plus
@@ -23,7 +26,7 @@ from tqdm.auto import tqdm
 from specdec.loading import DTYPES
 
 from .config import BuildConfig
-from .diverse_prompts import diverse_prompts, extract_question, self_instruct_seeds
+from .diverse_prompts import diverse_prompts, extract_question, self_instruct_seeds, stdlib_entries
 from .teacher import generate_answers
 
 
@@ -82,10 +85,28 @@ def self_instruct_questions(model, tok, cfg: BuildConfig, work: Path, heldout: l
     return out
 
 
+def docstring_examples(tok, files: list[Path], n: int, seed: int) -> list[dict]:
+    """``n`` chat examples (ids, pos; labels to be computed): "What does `m.f` do?" answered
+    with the first paragraph of its docstring, from the (training) ``files``."""
+    import random
+
+    entries = stdlib_entries(sorted(files), limit=4 * n)
+    random.Random(seed + 303).shuffle(entries)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    out = []
+    for m, f, doc in entries[:n]:
+        enc = list(tok.apply_chat_template([{"role": "user", "content": f"What does `{m}.{f}` do?"}],
+                                           add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+        ans = tok(doc, add_special_tokens=False)["input_ids"] + ([end] if isinstance(end, int) and end >= 0 else [])
+        out.append({"ids": torch.tensor(enc + ans), "pos": torch.arange(len(enc) - 1, len(enc) - 1 + len(ans))})
+    return out
+
+
 def diverse_teacher(target, tok, train_files: list[Path], heldout: list[str], cfg: BuildConfig,
                     work: Path) -> tuple[list[dict], dict]:
     """(examples, stats): the target's answers to ``cfg.n_diverse`` diverse prompts plus its
-    self-instruct questions, labelled teacher-forced in float32."""
+    self-instruct questions, and ``cfg.n_docstring_answers`` docstring answers, all labelled
+    teacher-forced in float32."""
     work = Path(work)
 
     def make():
@@ -96,12 +117,14 @@ def diverse_teacher(target, tok, train_files: list[Path], heldout: list[str], cf
         examples = generate_answers(gen, tok, prompts + questions, gcfg, "target answers (diverse prompts)",
                                     work / "answers")
         del gen
+        docs = docstring_examples(tok, train_files, cfg.n_docstring_answers, cfg.seed)
         fp32 = copy.deepcopy(target).float().eval()
-        teacher_force(fp32, examples, cfg.topk, "float32 labels and features (diverse prompts)")
+        teacher_force(fp32, examples + docs, cfg.topk, "float32 labels and features (diverse prompts)")
         stats = {"prompts": len(prompts), "self_instruct_questions": len(questions),
+                 "docstring_answers": len(docs), "docstring_answer_tokens": sum(len(e["pos"]) for e in docs),
                  "answer_tokens": sum(len(e["pos"]) for e in examples), "gen_dtype": cfg.diverse_gen_dtype,
                  "max_new_tokens": cfg.diverse_new_tokens}
-        return {"examples": examples, "stats": stats, "prompts": prompts + questions}
+        return {"examples": examples + docs, "stats": stats, "prompts": prompts + questions}
 
     saved = _cached(work / "diverse.pt", make)
     return saved["examples"], saved["stats"]
