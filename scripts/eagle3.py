@@ -5,6 +5,7 @@ stdlib code chunks and the diverse-prompt teacher data, each cached under WORK (
 ``python scripts/eagle3.py train WORK [--init DIR] [--ttt N] [--steps N]``: train a head
 (checkpointed under WORK every few steps), save it to WORK/eagle, measure held-out agreement.
 ``python scripts/eagle3.py eval WORK DIR``: held-out agreement of the head in DIR at depths 1-3.
+``python scripts/eagle3.py ship WORK DIR --ttt N --prev-json F``: ship the head trained in DIR.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def main() -> None:
     from specdec.demo.config import BuildConfig
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("cmd", choices=["data", "train", "eval"])
+    ap.add_argument("cmd", choices=["data", "train", "eval", "ship"])
     ap.add_argument("work", type=Path)
     ap.add_argument("dir", nargs="?", type=Path)
     ap.add_argument("--init", type=Path)
@@ -85,6 +86,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prev-json", type=Path, help="ship: the previous head's `eval` output (JSON)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.set_num_threads(args.threads)
@@ -92,9 +94,11 @@ def main() -> None:
     if args.cmd == "data":
         log.info("data: %s", data(args.work, cfg)["stats"])
     else:
-        from eagle3_train import evaluate, train  # noqa: E402 (the training half of this script)
+        from eagle3_train import evaluate, ship, train  # noqa: E402 (the training half of this script)
 
-        (train if args.cmd == "train" else evaluate)(args, cfg)
+        if args.cmd == "ship":
+            args.prev = json.loads(args.prev_json.read_text())
+        {"train": train, "eval": evaluate, "ship": ship}[args.cmd](args, cfg)
 
 
 if __name__ == "__main__":
