@@ -43,7 +43,8 @@ def train(args, cfg) -> dict:
     examples = diverse["examples"] + code
     shipped = load_eagle_head(DEMO / "eagle", target, torch.float32)
     tcfg = EagleTrainConfig(seed=cfg.seed, steps=args.steps, batch_tokens=cfg.batch_tokens, lr=args.lr, warmup=10,
-                            intermediate_size=cfg.eagle_intermediate_size, ttt_steps=args.ttt)
+                            intermediate_size=cfg.eagle_intermediate_size, ttt_steps=args.ttt,
+                            budget_s=args.budget)
     if args.init is not None:
         head = load_eagle_head(args.init, target, torch.float32).train()
     else:
