@@ -85,6 +85,7 @@ def main() -> None:
     ap.add_argument("--ttt", type=int, default=3)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--decay", type=float, default=0.8, help="train: the weight ratio of successive TTT steps")
     ap.add_argument("--budget", type=float, help="train: a wall-clock cap in seconds")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prev-json", type=Path, help="ship: the previous head's `eval` output (JSON)")

@@ -44,12 +44,13 @@ def train(args, cfg) -> dict:
     shipped = load_eagle_head(DEMO / "eagle", target, torch.float32)
     tcfg = EagleTrainConfig(seed=cfg.seed, steps=args.steps, batch_tokens=cfg.batch_tokens, lr=args.lr, warmup=10,
                             intermediate_size=cfg.eagle_intermediate_size, ttt_steps=args.ttt,
-                            budget_s=args.budget)
+                            ttt_decay=args.decay, budget_s=args.budget)
     if args.init is not None:
         head = load_eagle_head(args.init, target, torch.float32).train()
     else:
         head = init_eagle_head(target, shipped.token_ids, tcfg)
     tag = f"ttt{args.ttt}-s{args.steps}-lr{args.lr:g}-{'init' if args.init else 'fresh'}"
+    tag += f"-d{args.decay:g}" if args.decay != 0.8 else ""
     t = time.time()
     stats = train_eagle(head, examples, tcfg, checkpoint=work / f"ckpt-{tag}.pt")
     out_dir = work / f"eagle-{tag}"
