@@ -207,7 +207,7 @@ def _tiny_build_config(src: Path):
     return BuildConfig(target=str(src), head_vocab=64, topk=8, n_chat_train=4, n_chat_heldout=2, max_new_tokens=8,
                        gen_batch=4, n_code_heads=2, code_head_tokens=16, code_head_new_tokens=8, code_chunk=32,
                        n_code_chunks=4, n_code_eval_chunks=2, steps=3, eagle_steps=3, medusa_steps=3, batch_tokens=512,
-                       warmup=2)
+                       warmup=2, n_diverse=4, n_self_instruct=2, self_instruct_tokens=8, diverse_new_tokens=8)
 
 
 def test_train_build_runs_end_to_end_deterministically_and_ships(llama_pair, tmp_path):

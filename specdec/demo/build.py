@@ -6,7 +6,8 @@ Phases (each with a progress bar), one function each below (``_phase_*``):
   1. target: GGUF -> fresh LlamaForCausalLM -> bf16 safetensors + tokenizer; verified.
   2. corpus: Python stdlib sources (fixed held-out files, corpus.py) + chat prompts (prompts.py).
   3. teacher: the bf16 target's own greedy answers to the chat prompts (top-K log-probs recorded
-     while generating) and its top-K log-probs on stdlib code chunks (teacher.py).
+     while generating) and its top-K log-probs on stdlib code chunks (teacher.py); for the EAGLE
+     head also its answers to diverse prompts, labelled in float32 (eagle_data.py).
   4. vocabulary: the H most frequent tokens of teacher outputs + corpus (ties by token id).
   5. draft: layers initialised from target layers, final norm and head rows from the target;
      trained by distillation (soft top-K targets restricted to the head vocabulary), fp32.
@@ -44,6 +45,7 @@ from specdec.loading import DTYPES
 from .config import BuildConfig
 from .corpus import code_chunks, file_heads, function_snippets, read, split_files, stdlib_files
 from .eagle import EagleTrainConfig, eagle_agreement, init_eagle_head, train_eagle
+from .eagle_data import diverse_teacher
 from .evaluate import agreement, eagle_step_time, step_time
 from .exit_adapter import ExitBuildConfig, build_exit_adapters
 from .medusa import MedusaTrainConfig, train_and_save
@@ -201,10 +203,15 @@ class _Teacher:
     code: list[dict]
     code_eval: list[dict]
     code_gen: list[dict]
+    diverse: list[dict] = None  # answers to diverse prompts (eagle_data.py): the EAGLE head's only
 
     @property
     def examples(self) -> list[dict]:  # the training set: chat answers, code continuations, code
         return self.chat + self.code_gen + self.code
+
+    @property
+    def eagle_examples(self) -> list[dict]:  # the EAGLE head's: the above and the diverse answers
+        return self.examples + (self.diverse or [])
 
     @property
     def heldout(self) -> dict[str, list[dict]]:
@@ -303,9 +310,14 @@ def _phase_teacher(target, tok, corpus: _Corpus, cfg: BuildConfig, metrics: dict
         add_features(model, chat + chat_eval + code_gen, "target features")
         torch.save(asdict(teacher), saved)
         del model
+    diverse_stats = None
+    if cfg.n_diverse and not teacher.diverse:
+        teacher.diverse, diverse_stats = diverse_teacher(target, tok, corpus.train_files,
+                                                         corpus.held_prompts + corpus.train_prompts, cfg, work / "diverse")
     metrics["teacher"] = {"seconds": round(time.time() - t, 1), "dtype": cfg.teacher_dtype,
                           "chat_answer_tokens": _tokens(teacher.chat), "code_continuation_tokens": _tokens(teacher.code_gen),
-                          "code_tokens": _tokens(teacher.code)}
+                          "code_tokens": _tokens(teacher.code), "diverse": diverse_stats,
+                          "diverse_answer_tokens": _tokens(teacher.diverse or [])}
     return teacher
 
 
@@ -329,7 +341,8 @@ def _phase_training(target, token_ids: torch.Tensor, teacher: _Teacher, cfg: Bui
                              "agreement_code_heldout": round(agreement(draft, teacher.code_eval), 4),
                              "agreement_chat_heldout": round(agreement(draft, teacher.chat_eval), 4)}
     tcfg = EagleTrainConfig(seed=cfg.seed, steps=cfg.eagle_steps, batch_tokens=cfg.batch_tokens,
-                            lr=cfg.eagle_lr, budget_s=cfg.budget_s, intermediate_size=cfg.eagle_intermediate_size)
+                            lr=cfg.eagle_lr, budget_s=cfg.budget_s, intermediate_size=cfg.eagle_intermediate_size,
+                            ttt_steps=cfg.eagle_ttt_steps)
     head = init_eagle_head(target, token_ids, tcfg)  # seeded here, before the threads start
 
     def one_core(fn, *args):
@@ -341,7 +354,7 @@ def _phase_training(target, token_ids: torch.Tensor, teacher: _Teacher, cfg: Bui
     try:
         with ThreadPoolExecutor(2) as pool:
             drafting = pool.submit(one_core, train_draft, draft, teacher.examples, cfg)
-            eagle = pool.submit(one_core, train_eagle, head, teacher.examples, tcfg)
+            eagle = pool.submit(one_core, train_eagle, head, teacher.eagle_examples, tcfg)
             metrics["training"], metrics["eagle"] = drafting.result(), {"training": eagle.result()}
     finally:
         torch.set_num_threads(threads)
@@ -375,7 +388,7 @@ def _phase_evaluation(target, draft_dir: Path, head_vocab_size: int, trained: in
 
 def _phase_eagle(target, head, teacher: _Teacher, cfg: BuildConfig, eagle_dir: Path, metrics: dict) -> None:
     """7. Save the trained EAGLE head (bf16), reload it, measure held-out agreement (first draft
-    of a round, and second: from its own predicted feature) and its cost; ``metrics["eagle"]``."""
+    of a round; second and third: from its own predicted features) and its cost; ``metrics["eagle"]``."""
     save_eagle_head(head, eagle_dir, extra={"built_by": "specdec.demo.build", "seed": cfg.seed})
     loaded = load_eagle_head(eagle_dir, target, torch.float32)
     held = teacher.heldout
@@ -383,8 +396,8 @@ def _phase_eagle(target, head, teacher: _Teacher, cfg: BuildConfig, eagle_dir: P
         "trained_parameters": sum(p.numel() for p in loaded.parameters()),
         "head_vocab_size": len(loaded.token_ids),
         **{f"agreement_{name}_heldout": round(eagle_agreement(loaded, held[name]), 4) for name in ("code", "chat")},
-        **{f"agreement_depth2_{name}_heldout": round(eagle_agreement(loaded, held[name], 2), 4)
-           for name in ("code", "chat")},
+        **{f"agreement_depth{d}_{name}_heldout": round(eagle_agreement(loaded, held[name], d), 4)
+           for d in (2, 3) for name in ("code", "chat")},
     })
     t_head = eagle_step_time(loaded)
     t_target = metrics["cost"]["target_bf16_step_ms"] / 1e3

@@ -51,5 +51,15 @@ class BuildConfig:
     medusa_steps: int = 400
     medusa_lr: float = 2e-3
     medusa_batch_rows: int = 512
+    # EAGLE-3's training-time test: unroll the head this many steps on its own predictions
+    eagle_ttt_steps: int = 3
+    # diverse teacher prompts for the EAGLE head (diverse_prompts.py, eagle_data.py): answers
+    # generated in diverse_gen_dtype, labels and features recomputed in float32
+    n_diverse: int = 256
+    n_self_instruct: int = 64
+    self_instruct_tokens: int = 40
+    diverse_new_tokens: int = 64
+    diverse_gen_dtype: str = "bfloat16"
+    n_docstring_answers: int = 320  # stdlib docstrings as answers (no generation)
     exit_layers: tuple = ()  # early-exit adapters after these layers (`--early-exit` adds layer 8)
     log: list = field(default_factory=list)

@@ -11,7 +11,12 @@ Loss, as in EAGLE: entry ``i`` sees ``(f_i + noise, x_{i+1})`` and predicts ``f_
 - feature regression: smooth L1 between the prediction and ``f_{i+1}`` (in units of the
   features' RMS), weighted by ``reg_weight``: chain drafting feeds predictions back in;
 - noise on the input features (``noise`` x their RMS), so a prediction fed back in is in
-  distribution.
+  distribution;
+- training-time test (EAGLE-3, Li et al. 2025), ``ttt_steps`` > 1: the head is unrolled on its
+  own predictions. Step 1 is the above; at step ``j`` entry ``i`` sees the head's step-(j-1)
+  prediction of ``f_i`` (made at entry ``i - 1``; entry 0 keeps ``f_0``), exactly what
+  ``eagle_agreement(depth=j)`` evaluates, and step ``j``'s loss is weighted ``ttt_decay**(j-1)``
+  (the weights sum to 1). Gradients flow through the unroll unless ``ttt_detach``.
 
 Only the head's own parameters train: the target's embedding and LM-head rows are read, not
 copied into the optimiser (the build hashes the target's weights before and after).
@@ -24,6 +29,7 @@ import random
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +48,9 @@ class EagleTrainConfig:
     reg_weight: float = 1.0
     noise: float = 0.05
     intermediate_size: int | None = None  # the head layer's MLP width; None: the target's
+    ttt_steps: int = 1  # 1: EAGLE-1 training; > 1: EAGLE-3's training-time test (the demo uses 3)
+    ttt_decay: float = 0.8
+    ttt_detach: bool = False  # feed the unroll detached predictions (no gradient through them)
     budget_s: float | None = None  # a wall-clock cap (breaks determinism when it binds)
 
 
@@ -103,30 +112,63 @@ def feature_scale(examples: list[dict]) -> float:
     return float(sample.pow(2).mean().sqrt())
 
 
+def _unroll(head: EagleHead, feat: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, pred: torch.Tensor,
+            detach: bool = False) -> torch.Tensor:
+    """One more draft depth: entry ``i`` sees the previous depth's prediction of ``f_i``."""
+    prev = pred.detach() if detach else pred
+    return head(torch.cat([feat[:, :1], prev[:, :-1]], 1), ids, positions)
+
+
 def head_loss(head: EagleHead, batch, scale: float, cfg: EagleTrainConfig, generator: torch.Generator):
-    """(loss, top-1 agreement) of one collated batch."""
+    """(loss, top-1 agreement at depth 1) of one collated batch, over ``cfg.ttt_steps`` depths."""
     ids, feat, valid, rows, entries, hi, p = batch
     noisy = feat[:, :-1] + torch.randn(feat[:, :-1].shape, generator=generator) * (cfg.noise * scale)
     positions = torch.arange(ids.shape[1] - 1)[None].expand(ids.shape[0], -1)
-    pred = head(noisy, ids[:, 1:], positions)  # [B, L-1, d]; causal (right padding is harmless)
-    reg = F.smooth_l1_loss(pred[valid] / scale, feat[:, 1:][valid] / scale)
-    logits = head.reduced_logits(pred[rows, entries])  # [N, H]
-    ce = -(p * torch.log_softmax(logits, -1).gather(-1, hi)).sum(-1).mean()
-    agree = (logits.argmax(-1) == hi[:, 0]).float().mean().item()
-    return ce + cfg.reg_weight * reg, agree
+    steps = max(1, cfg.ttt_steps)
+    weights = [cfg.ttt_decay ** j for j in range(steps)]
+    total, loss, agree = sum(weights), 0.0, 0.0
+    pred = None
+    for j, w in enumerate(weights):
+        # [B, L-1, d]; causal (right padding is harmless)
+        pred = head(noisy, ids[:, 1:], positions) if j == 0 else _unroll(head, noisy, ids[:, 1:], positions, pred,
+                                                                           cfg.ttt_detach)
+        reg = F.smooth_l1_loss(pred[valid] / scale, feat[:, 1:][valid] / scale)
+        use = entries >= j  # entry e at depth j+1 rests on the true f_{e-j}
+        logits = head.reduced_logits(pred[rows[use], entries[use]])  # [N, H]
+        ce = -(p[use] * torch.log_softmax(logits, -1).gather(-1, hi[use])).sum(-1).mean()
+        loss = loss + (w / total) * (ce + cfg.reg_weight * reg)
+        if j == 0:
+            agree = (logits.argmax(-1) == hi[use][:, 0]).float().mean().item()
+    return loss, agree
 
 
-def train_eagle(head: EagleHead, examples: list[dict], cfg: EagleTrainConfig, desc: str = "training EAGLE head") -> dict:
-    """Train ``head`` in place (float32, AdamW, warmup + cosine); deterministic given the seed."""
+def train_eagle(head: EagleHead, examples: list[dict], cfg: EagleTrainConfig, desc: str = "training EAGLE head",
+                checkpoint: Path | None = None, every: int = 20) -> dict:
+    """Train ``head`` in place (float32, AdamW, warmup + cosine); deterministic given the seed.
+
+    ``checkpoint``: a file where the whole training state (head, optimiser, random streams,
+    batch queue) is saved every ``every`` steps and found again, so a restarted run resumes
+    and ends where an uninterrupted one would."""
     torch.manual_seed(cfg.seed)
     rng, gen = random.Random(cfg.seed + 23), torch.Generator().manual_seed(cfg.seed + 29)
     full2head, scale = _full2head(head), feature_scale(examples)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     head.train()
-    t0, ntok, ema, ema_acc, queue, step = time.time(), 0, None, None, [], 0
-    bar = tqdm(range(cfg.steps), desc=desc, unit="step", file=sys.stderr)
+    t0, ntok, ema, ema_acc, queue, step, start, spent = time.time(), 0, None, None, [], 0, 0, 0.0
+    if checkpoint is not None and Path(checkpoint).is_file():
+        st = torch.load(checkpoint, weights_only=False)
+        head.load_state_dict(st["head"]), opt.load_state_dict(st["opt"])
+        rng.setstate(st["rng"]), gen.set_state(st["gen"]), torch.set_rng_state(st["torch"])
+        start, ntok, ema, ema_acc, queue, spent = st["step"], st["ntok"], st["ema"], st["ema_acc"], st["queue"], st["spent"]
+        t0 -= spent
+    bar = tqdm(range(start, cfg.steps), desc=desc, unit="step", file=sys.stderr, initial=start, total=cfg.steps)
     for step in bar:
+        if checkpoint is not None and step > start and step % every == 0:
+            _save_state(checkpoint, {"head": head.state_dict(), "opt": opt.state_dict(), "rng": rng.getstate(),
+                                     "gen": gen.get_state(), "torch": torch.get_rng_state(), "step": step,
+                                     "ntok": ntok, "ema": ema, "ema_acc": ema_acc, "queue": queue,
+                                     "spent": time.time() - t0})
         if cfg.budget_s is not None and time.time() - t0 > cfg.budget_s:
             tqdm.write(f"[specdec demo] EAGLE training budget reached after {step} steps", file=sys.stderr)
             break
@@ -150,19 +192,26 @@ def train_eagle(head: EagleHead, examples: list[dict], cfg: EagleTrainConfig, de
             "feature_rms": round(scale, 4)}
 
 
+def _save_state(path: Path, state: dict) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(state, path.with_suffix(".tmp"))
+    path.with_suffix(".tmp").rename(path)
+
+
 @torch.no_grad()
 def eagle_agreement(head: EagleHead, examples: list[dict], depth: int = 1) -> float:
     """Greedy top-1 agreement with the target at each label position: depth 1 drafts from true
-    features (a round's first draft); depth 2 feeds the head's own prediction of the previous
-    feature (a round's second draft, as chain drafting does)."""
+    features (a round's first draft); depth ``j`` > 1 feeds entry ``i`` the head's own depth
+    ``j-1`` prediction of ``f_i`` (made at entry ``i-1``: a round's j-th draft, as chain drafting
+    does; the positions before it see predictions too)."""
     hit = tot = 0
     for ex in examples:
         ids, feat = ex["ids"][None], ex["feat"].float()[None]
         positions = torch.arange(ids.shape[1] - 1)[None]
         pred = head(feat[:, :-1], ids[:, 1:], positions)
-        if depth == 2:  # entry i sees its own prediction of f_i (made at entry i-1)
-            shifted = torch.cat([feat[:, :1], pred[:, :-1]], 1)
-            pred = head(shifted, ids[:, 1:], positions)
+        for _ in range(depth - 1):
+            pred = _unroll(head, feat, ids[:, 1:], positions, pred)
         use = ex["pos"] >= depth
         logits = head.logits(pred[0, ex["pos"][use] - 1])
         hit += (logits.argmax(-1) == ex["top_i"][use][:, 0].long()).sum().item()
