@@ -70,7 +70,7 @@ def ship(args, cfg) -> dict:
     import shutil
     import subprocess
 
-    from specdec.demo.shipped import FILES, MANIFEST, WEIGHTS_DIR, sha256
+    from specdec.demo.shipped import MANIFEST, WEIGHTS_DIR, sha256, shipped_files
     from specdec.models.files import EAGLE_MARKER, EAGLE_WEIGHTS
 
     res = json.loads((args.work / f"result-{args.dir.name[len('eagle-'):]}.json").read_text())
@@ -96,8 +96,9 @@ def ship(args, cfg) -> dict:
     shutil.copyfile(args.dir / EAGLE_MARKER, WEIGHTS_DIR / "eagle.json")
     (WEIGHTS_DIR / "metrics.json").write_text(json.dumps(metrics, indent=2))
     manifest = json.loads((WEIGHTS_DIR / MANIFEST).read_text())
-    manifest["sha256"] = {name: sha256(WEIGHTS_DIR / name) for name in FILES}
-    manifest["bytes"] = sum((WEIGHTS_DIR / name).stat().st_size for name in FILES)
+    files = shipped_files(WEIGHTS_DIR)
+    manifest["sha256"] = {name: sha256(WEIGHTS_DIR / name) for name in files}
+    manifest["bytes"] = sum((WEIGHTS_DIR / name).stat().st_size for name in files)
     (WEIGHTS_DIR / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     log.info("shipped %s: %s", args.dir, metrics["eagle"])
     return metrics["eagle"]
