@@ -16,7 +16,7 @@ Worked example (two children of the root, one grandchild under the first)::
 
     tokens  = [5, 7, 9]      parents = (-1, -1, 0)
     depths(parents) = [1, 1, 2]          children(parents, -1) = [0, 1]
-    path_to(parents, 2) = [0, 2]         is_chain((-1, 0, 1)) = True
+    path_to(parents, 2) = [0, 2]
 """
 
 from __future__ import annotations
@@ -53,18 +53,6 @@ def path_to(parents: Sequence[int], node: int) -> list[int]:
         out.append(node)
         node = parents[node]
     return out[::-1]
-
-
-def is_chain(parents: Sequence[int]) -> bool:
-    return all(p == i - 1 for i, p in enumerate(parents))
-
-
-def chain_prefix(parents: Sequence[int]) -> int:
-    """How many leading nodes form a chain from the root (their slots are their positions)."""
-    n = 0
-    while n < len(parents) and parents[n] == n - 1:
-        n += 1
-    return n
 
 
 def follow(tokens: Sequence[int], parents: Sequence[int], ids: Sequence[int]) -> list[int]:

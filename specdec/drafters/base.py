@@ -45,11 +45,7 @@ class Proposal:
         assert self.probs is None or self.probs.shape[0] == len(self.tokens), (self.probs.shape, len(self.tokens))
         if self.parents is not None:
             assert len(self.parents) == len(self.tokens) and self.probs is None, (self.parents, len(self.tokens))
-
-    @property
-    def depth(self) -> int:
-        """The longest root path: the most drafts a round can accept."""
-        return max(trees.depths(self.parents), default=0) if self.parents is not None else len(self.tokens)
+            trees.check(self.parents)
 
     def __len__(self) -> int:
         return len(self.tokens)
