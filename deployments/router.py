@@ -15,7 +15,6 @@ import logging
 import time
 
 import ray
-import torch
 from ray import serve
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -25,7 +24,7 @@ from deployments.config import UnitArgs
 from deployments.metrics import UnitMetrics
 from deployments.protocol import Delta, End, Error, Start, UnitRequest
 from deployments.workers import DraftWorker, RemoteDraft, RemoteTarget, TargetWorker
-from specdec import telemetry
+from specdec import compute, telemetry
 from specdec.loading import check_same_vocabulary
 from specdec.engine import Engine, PromptTooLong, draft_tokenizer, target_tokenizer
 from specdec.engine.loop import GenerationRequest
@@ -62,7 +61,7 @@ def build_engine(args: UnitArgs) -> tuple[Engine, dict]:
     """The unit's engine, and the worker actors it uses (empty in process)."""
     models, spec = args.models, args.speculation
     if args.torch_threads:
-        torch.set_num_threads(args.torch_threads)
+        compute.set_threads(args.torch_threads)
     sizes = dict(max_num_seqs=args.max_num_seqs, step_tokens=args.step_tokens)
     if args.colocation == "in_process":
         return Engine.load(models, spec, kv_cache_tokens=args.kv_cache_tokens, **sizes), {}

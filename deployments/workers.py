@@ -16,10 +16,9 @@ import os
 import time
 
 import ray
-import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
-from specdec import telemetry
+from specdec import compute, telemetry
 from specdec.config import ModelConfig, SpeculationConfig
 from specdec.drafters.base import Drafted, DraftRow
 from specdec.engine import load_draft_step, load_target_step, target_tokenizer
@@ -33,7 +32,7 @@ def _setup_process(service: str, trace_sample_ratio: float, torch_threads: int |
     """A worker's process: its tracer, and its CPU threads (Ray gives a 1-CPU actor one)."""
     telemetry.configure_tracing(service, sample_ratio=trace_sample_ratio)
     if torch_threads:
-        torch.set_num_threads(torch_threads)
+        compute.set_threads(torch_threads)
 
 
 @ray.remote
@@ -47,7 +46,8 @@ class TargetWorker:
         kv_cache_tokens: int | None = None,
     ):
         _setup_process("specdec-target", trace_sample_ratio, torch_threads)
-        self.target, self._eos = load_target_step(models, speculation, target_tokenizer(models), kv_cache_tokens)
+        self.target, self._eos = compute.run(load_target_step, models, speculation, target_tokenizer(models),
+                                             kv_cache_tokens)
 
     def info(self) -> dict:
         return {"max_length": self.target.max_length, "eos_token_ids": self._eos,
@@ -57,7 +57,7 @@ class TargetWorker:
         return ray.get_runtime_context().get_node_id()
 
     def step(self, plan: StepPlan, external: Drafted | None, release: list[str]) -> StepResult:
-        return self.target.run(plan, external, release)
+        return compute.run(self.target.run, plan, external, release)
 
 
 @ray.remote
@@ -65,7 +65,7 @@ class DraftWorker:
     def __init__(self, models: ModelConfig, speculation: SpeculationConfig, capacity_tokens: int,
                  trace_sample_ratio: float = 1.0, torch_threads: int | None = None):
         _setup_process("specdec-draft", trace_sample_ratio, torch_threads)
-        self.draft = load_draft_step(models, speculation, capacity_tokens)
+        self.draft = compute.run(load_draft_step, models, speculation, capacity_tokens)
 
     def ready(self) -> bool:
         return True
@@ -77,7 +77,7 @@ class DraftWorker:
         return ray.get_runtime_context().get_node_id()
 
     def propose(self, rows: list[DraftRow], release: list[str]) -> Drafted:
-        return self.draft.propose(rows, release)
+        return compute.run(self.draft.propose, rows, release)
 
 
 class RemoteTarget:

@@ -2,6 +2,7 @@
 
 Modules, one concept each:
 
+- ``overhead``   the engine's own cost per step (``--overhead``), a near-zero-compute model
 - ``ideal``      the ideal-speedup math (pure; worked example in its docstring)
 - ``workloads``  the seeded prompt sets: chat, code, grounded, sampling
 - ``configs``    what runs: our modes and k, transformers' plain / assisted / prompt lookup, HTTP
@@ -25,11 +26,23 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 
+def _overhead(args: argparse.Namespace) -> int:
+    from specdec.bench import overhead
+
+    results = overhead.run(list(args.rows), steps=args.steps, threads=args.threads)
+    print(overhead.table(results))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"overhead": results, "shape": overhead.SHAPE}, indent=2))
+    return 0
+
+
 def run_from_args(args: argparse.Namespace) -> int:
     """The ``bench`` subcommand: run, print the table, write JSON and plots."""
     from specdec.bench.options import BenchOptions
     from specdec.bench.run import render, run_bench
 
+    if args.overhead:
+        return _overhead(args)
     opts = BenchOptions.from_args(args)
     report = run_bench(opts)
     print(render(report))

@@ -71,6 +71,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice; 1 with --tiny)")
     r = p.add_argument_group("what to run")
     r.add_argument("--quick", action="store_true", help="the short preset (under 3 minutes)")
+    r.add_argument("--overhead", action="store_true",
+                   help="only the engine's own cost per step (specdec.bench.overhead): rows 1, 8, 32, 64")
+    r.add_argument("--rows", type=_ints, default=(1, 8, 32, 64), help="with --overhead: rows per step")
+    r.add_argument("--steps", type=int, default=24, help="with --overhead: decode steps per level")
     r.add_argument("--workloads", type=_workloads, default=list(WORKLOADS),
                    help=f"comma-separated subset of {','.join(WORKLOADS)}")
     r.add_argument("--prompts", type=int, help="prompts per workload")

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from specdec import compute
 from specdec.bench.configs import HF_LOOKUP_DEFAULT_TOKENS, BenchConfig, build_configs
 from specdec.bench.costs import measure_costs
 from specdec.bench.inproc import RunResult, peak_rss_mb, run_hf, run_ours
@@ -121,7 +122,8 @@ class Bench:
         if cfg.runner == "ours":
             return run_ours(self.engine, cfg, prompt, max_tokens, repeat)
         if cfg.runner == "hf":
-            return run_hf(self.target_model, self.draft_model, cfg, prompt, max_tokens, repeat, self.pad_token_id)
+            return compute.run(run_hf, self.target_model, self.draft_model, cfg, prompt, max_tokens, repeat,
+                               self.pad_token_id)  # on the thread our engine steps on: same cores, same OpenMP team
         from specdec.bench.client import run_http
 
         return run_http(self.client, cfg, prompt, max_tokens, repeat)
@@ -150,7 +152,7 @@ def run_bench(opts: BenchOptions) -> dict:
     started = time.perf_counter()
     threads, verbosity = torch.get_num_threads(), transformers.logging.get_verbosity()
     if opts.threads:
-        torch.set_num_threads(opts.threads)
+        compute.set_threads(opts.threads)
     transformers.logging.set_verbosity_error()  # assisted generation warns on every call
     try:
         bench = Bench(opts)
@@ -159,7 +161,7 @@ def run_bench(opts: BenchOptions) -> dict:
         finally:
             bench.close()
     finally:
-        torch.set_num_threads(threads)
+        compute.set_threads(threads)
         transformers.logging.set_verbosity(verbosity)
 
 
@@ -172,8 +174,8 @@ def _run(bench: Bench, opts: BenchOptions, started: float) -> dict:
     policy = getattr(bench.engine, "policy_config", None)
     k_max, nodes = getattr(policy, "k_max", 8), getattr(policy, "tree_nodes", 16)
     cost_ks = sorted(set(range(1, max(opts.ks) + 1)) | {k_max, HF_LOOKUP_DEFAULT_TOKENS, nodes})
-    costs = measure_costs(bench.target_model, bench.draft_model, _cost_context(prompts), cost_ks,
-                          reps=opts.cost_reps)
+    costs = compute.run(measure_costs, bench.target_model, bench.draft_model, _cost_context(prompts), cost_ks,
+                        reps=opts.cost_reps)
     _warm_up(bench, opts, prompts[0], active, skipped)
     results = _measure(bench, opts, prompts, active, skipped)
     active = [c for c in active if c.name in results]
@@ -287,7 +289,7 @@ def _report(bench: Bench, opts: BenchOptions, started: float, prompts: list[Prom
                    "dtype_used": str(bench.engine.target_model.dtype).removeprefix("torch."),
                    "draft_dtype": opts.draft_dtype, "drafters": sorted(bench.engine.drafters),
                    "policy": policy.model_dump() if hasattr(policy, "model_dump") else None},
-        "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "machine": {"cpus": os.cpu_count(), "torch_threads": compute.run(torch.get_num_threads),
                     "torch": torch.__version__, "transformers": _version("transformers"),
                     "python": platform.python_version(), "platform": platform.platform()},
         "costs": costs.to_dict(),

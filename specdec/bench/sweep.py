@@ -22,6 +22,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from specdec import compute
 from specdec.plugins import local_server
 
 WORKLOAD_PROMPTS = {
@@ -199,7 +200,7 @@ def run(args) -> dict:
     from specdec.engine import Engine
 
     if args.threads:
-        torch.set_num_threads(args.threads)
+        compute.set_threads(args.threads)
     models = _models(args)
     engine = Engine.load(ModelConfig(**models), max_num_seqs=max(levels))
     send = lambda m: in_process_sender(engine, m, args.max_tokens, chat)  # noqa: E731

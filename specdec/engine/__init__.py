@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec import compute
 from specdec.batch.runner import BatchRunner
 from specdec.config import ModelConfig, SpeculationConfig
 from specdec.drafters import build_drafters, offered_modes
@@ -91,7 +92,7 @@ class Engine:
         """Both models in this process."""
         speculation = speculation or SpeculationConfig()
         tokenizer = target_tokenizer(models)
-        target, draft, eos = local_parts(models, speculation, tokenizer, kv_cache_tokens)
+        target, draft, eos = compute.run(local_parts, models, speculation, tokenizer, kv_cache_tokens)
         return cls.from_parts(tokenizer, target, draft, models, eos_token_ids=eos,
                               capacity_tokens=target.runner.capacity, max_length=target.max_length,
                               speculation=speculation, max_num_seqs=max_num_seqs, step_tokens=step_tokens)

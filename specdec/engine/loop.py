@@ -30,6 +30,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
+from specdec import compute
 from specdec.batch.cache import RangeAllocator
 from specdec.drafters import DRAFTERS
 from specdec.drafters.base import EMPTY_PROPOSAL, BatchDrafter
@@ -261,10 +262,10 @@ class StepLoop:
                 if self._closed:
                     return
             try:
-                self.step()
+                compute.run(self.step)  # model work runs on the process's one compute thread
             except Exception:  # one request's failure must not fail the batch it shares
                 log.exception("step failed; running each request alone to find the culprit")
-                self._isolate()
+                compute.run(self._isolate)
 
     def _need(self, req: GenerationRequest) -> int:
         cfg = self.policy_config()

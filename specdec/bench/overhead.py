@@ -1,0 +1,129 @@
+"""The engine's own cost per step: the step loop against one dense forward of the same rows.
+
+A model with almost no compute (the demo target's depth and vocabulary, hidden size 64,
+random weights, fp32) makes every millisecond that is not the model visible: ``B`` plain
+requests decode together through ``Engine`` (planning, the ragged pass, verification,
+commit, detokenization, events), and each step's time is set against one dense Hugging Face
+forward of ``B`` rows x 1 token over a cache of the same length (SDPA, no engine). The ratio
+is what the engine adds; on a GPU, where the model is fast, it is most of the step.
+
+    specdec bench --overhead                 # rows 1, 8, 32, 64
+    specdec bench --overhead --rows 1,8 --steps 32
+
+Each figure is the median over the decode steps in which all ``B`` rows ran.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from specdec import compute
+
+# The demo target's depth, heads and vocabulary, with almost no width.
+SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=30, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=49152, max_position_embeddings=2048)
+PROMPT_TOKENS = 64
+
+
+def _tokenizer():
+    """The demo tokenizer where it is cached (real detokenization cost), else a tiny one."""
+    from specdec.demo import demo_paths
+
+    tok_dir = demo_paths()["tokenizer"]
+    if Path(tok_dir).exists():
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(tok_dir)
+    from specdec.bench.tiny import build_tokenizer, synthetic_corpus
+
+    return build_tokenizer(synthetic_corpus(500))
+
+
+def build_model(out: Path, seed: int = 0) -> Path:
+    """The near-zero-compute model and a tokenizer, saved under ``out``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**SHAPE, eos_token_id=0, bos_token_id=0)).eval()
+    model.save_pretrained(out)
+    _tokenizer().save_pretrained(out)
+    return out
+
+
+def dense_step_s(model, rows: int, context: int, reps: int) -> float:
+    """Median seconds of one plain transformers forward: ``rows`` x 1 token over a cache of
+    ``context`` tokens (a DynamicCache, no engine; the engine's attention is SDPA's when no
+    step is bound)."""
+    from transformers import DynamicCache
+
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, SHAPE["vocab_size"], (rows, context), generator=gen)
+    times = []
+    with torch.inference_mode():
+        cache = DynamicCache()
+        model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        nxt = ids[:, -1:]
+        for _ in range(reps + 2):
+            t0 = time.perf_counter()
+            out = model(input_ids=nxt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            times.append(time.perf_counter() - t0)
+            cache.crop(-1)  # the same context every time
+    return statistics.median(times[2:])
+
+
+def engine_step_s(engine, rows: int, steps: int) -> tuple[float, dict]:
+    """Median seconds of a step with ``rows`` plain rows decoding together, and the median
+    split of those steps (plan / the target's call / the rest)."""
+    gen = torch.Generator().manual_seed(2)
+    vocab = len(engine.tokenizer)
+    prompts = [torch.randint(1, vocab, (PROMPT_TOKENS,), generator=gen).tolist() for _ in range(rows)]
+    engine.loop.timings.clear()
+    threads = [threading.Thread(target=engine.generate, args=(p,),
+                                kwargs=dict(max_tokens=steps, mode="off", ignore_eos=True)) for p in prompts]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    full = [t for t in engine.loop.timings if t.rows == rows and t.decoding]
+    if len(full) < 3:
+        raise RuntimeError(f"only {len(full)} steps ran all {rows} rows together")
+    full = full[1:]
+    split = {"plan": statistics.median(t.plan_s for t in full),
+             "target call": statistics.median(t.target_call_s for t in full),
+             "forward": statistics.median(t.verify_s for t in full)}
+    split["commit"] = statistics.median(t.total_s - t.plan_s - t.target_call_s for t in full)
+    return statistics.median(t.total_s for t in full), split
+
+
+def run(rows_list: list[int], steps: int = 24, threads: int | None = None) -> list[dict]:
+    from specdec.config import ModelConfig
+    from specdec.engine import Engine
+
+    if threads:
+        compute.set_threads(threads)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_model(Path(tmp) / "near-zero")
+        engine = Engine.load(ModelConfig(target=str(path), dtype="float32"), max_num_seqs=max(rows_list),
+                             kv_cache_tokens=max(rows_list) * (PROMPT_TOKENS + steps + 16) + 64)
+        engine.generate(list(range(1, 9)), max_tokens=4, mode="off")  # warm-up
+        for rows in rows_list:
+            step, split = engine_step_s(engine, rows, steps)
+            dense = compute.run(dense_step_s, engine.target_model, rows, PROMPT_TOKENS + steps // 2, reps=max(8, steps // 2))
+            results.append({"rows": rows, "engine_ms": 1e3 * step, "dense_ms": 1e3 * dense,
+                            "ratio": step / dense, **{f"{k}_ms": 1e3 * v for k, v in split.items()}})
+    return results
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| rows | engine ms/step | dense forward ms | engine / dense | plan | target call (forward) | commit |",
+             "|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['rows']} | {r['engine_ms']:.1f} | {r['dense_ms']:.1f} | {r['ratio']:.2f} | "
+                     f"{r['plan_ms']:.2f} | {r['target call_ms']:.1f} ({r['forward_ms']:.1f}) | {r['commit_ms']:.2f} |")
+    return "\n".join(lines)
