@@ -126,3 +126,39 @@ def test_a_model_on_the_pool_still_decodes_correctly_outside_a_step(model):
         on_pool(input_ids=torch.tensor([ids[:4]]), use_cache=True, cache=cache)
         out = on_pool(input_ids=torch.tensor([ids[4:]]), use_cache=True, cache=cache).logits[0]
     torch.testing.assert_close(out.float(), want[4:], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("max_queries", [0, 32])
+def test_one_padded_call_and_rows_alone_give_the_logits_of_a_dense_forward(model, monkeypatch, max_queries):
+    """A step of every kind of row: decode rows, a k-draft chain, a token tree, a prompt chunk
+    (over PACK_MAX_QUERIES: alone) and a row far longer than the others (alone); with packing
+    off (0) every row attends alone. Every logit equals a plain forward over the row's ids."""
+    from specdec.batch import attention
+    from specdec.trees import path_to
+
+    monkeypatch.setattr(attention, "PACK_MAX_QUERIES", max_queries)
+    packs = []
+    real_pack = attention.pack
+    monkeypatch.setattr(attention, "pack", lambda rows, dev: packs.append(real_pack(rows, dev)) or packs[-1])
+    cap = 128
+    runner = BatchRunner(model, capacity_tokens=8 * cap)
+    gen = torch.Generator().manual_seed(0)
+    ids = [torch.randint(1, 300, (n,), generator=gen).tolist() for n in (6, 9, 7, 8, 40, 90)]
+    tree_tokens, parents = [11, 12, 13, 14], (-1, -1, 0, 0)
+    at = lambda i: 1 + cap * i  # noqa: E731
+    runner.forward([BatchRow(str(i), s[:-1], 0, at(i), cap) for i, s in enumerate(ids) if i != 4])
+    rows = [BatchRow("0", ids[0], 1, at(0), cap), BatchRow("1", ids[1], 1, at(1), cap),
+            BatchRow("2", ids[2] + [3, 4, 5], 4, at(2), cap),  # a chain of 3 drafts
+            BatchRow("3", ids[3] + tree_tokens, 5, at(3), cap, parents),  # a tree
+            BatchRow("4", ids[4], 1, at(4), cap),  # a whole prompt: 40 queries
+            BatchRow("5", ids[5], 1, at(5), cap)]  # 90 keys: over twice the median
+    out = runner.forward(rows)
+    expected_packed = [0, 1, 2, 3] if max_queries else None
+    assert (packs[-1].rows if packs[-1] else None) == expected_packed
+    for i in (0, 1, 4, 5):
+        assert torch.allclose(out[i][0], full_logits(model, ids[i])[-1], atol=1e-5), i
+    assert torch.allclose(out[2], full_logits(model, ids[2] + [3, 4, 5])[-4:], atol=1e-5)
+    assert torch.allclose(out[3][0], full_logits(model, ids[3])[-1], atol=1e-5)
+    for n in range(len(tree_tokens)):
+        path = [tree_tokens[j] for j in path_to(parents, n)]
+        assert torch.allclose(out[3][1 + n], full_logits(model, ids[3] + path)[-1], atol=1e-5), n

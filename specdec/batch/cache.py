@@ -161,10 +161,10 @@ class FlatBatchCache(Cache):
             if row.parents is not None and n > row.tree_at:
                 q, mask = _tree_rows(row, q, mask)
             q_pos.append(q)
-            ragged.append(attention.RaggedRow(t0, row.feed, row.start, n, None if mask is None else mask.to(dev)))
+            ragged.append(attention.RaggedRow(t0, row.feed, row.start, n, mask))
             t0 += row.feed
         self._write = torch.cat(write).to(dev)
-        attention.bind(ragged)
+        attention.bind(ragged, dev)
         return torch.cat(q_pos)[None].to(dev), self._placeholder_mask
 
     def unbind(self) -> None:
