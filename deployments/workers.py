@@ -1,8 +1,10 @@
 """The unit's model workers: Ray actors the router starts in its own placement group.
 
 Each worker holds one model on its token pool. The router's step loop owns every request's
-token ids and the pool layout, and sends them with every call; a worker reconciles its cache
-with them (``specdec.batch.runner``), so a restarted worker simply re-prefills. A step costs
+token ids and the pool layout; a call carries each row's new tokens (``deployments.contexts``:
+the worker keeps the contexts it was sent, a restarted one is sent them whole), and a worker
+reconciles its cache with the ids (``specdec.batch.runner``), so a restarted worker simply
+re-prefills. A step costs
 ONE call per worker for the whole batch: the DraftWorker drafts for every ``draft`` row, and
 its result travels to the TargetWorker as an object reference, worker to worker, never
 through the router; the TargetWorker drafts the rows of the drafters that live on the target
@@ -18,6 +20,7 @@ import time
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
+from deployments.contexts import MissingContext, Receiver, Sender
 from specdec import compute, telemetry
 from specdec.config import ModelConfig, SpeculationConfig
 from specdec.drafters.base import Drafted, DraftRow
@@ -48,6 +51,7 @@ class TargetWorker:
         _setup_process("specdec-target", trace_sample_ratio, torch_threads)
         self.target, self._eos = compute.run(load_target_step, models, speculation, target_tokenizer(models),
                                              kv_cache_tokens)
+        self._contexts = Receiver()
 
     def info(self) -> dict:
         return {"max_length": self.target.max_length, "eos_token_ids": self._eos,
@@ -56,7 +60,9 @@ class TargetWorker:
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
-    def step(self, plan: StepPlan, external: Drafted | None, release: list[str]) -> StepResult:
+    def step(self, plan: StepPlan, bases: dict[str, int], external: Drafted | None, release: list[str]) -> StepResult:
+        """``plan``'s rows carry their new tokens only (``deployments.contexts``)."""
+        plan = StepPlan(self._contexts.restore(plan.rows, bases, release))
         return compute.run(self.target.run, plan, external, release)
 
 
@@ -66,6 +72,7 @@ class DraftWorker:
                  trace_sample_ratio: float = 1.0, torch_threads: int | None = None):
         _setup_process("specdec-draft", trace_sample_ratio, torch_threads)
         self.draft = compute.run(load_draft_step, models, speculation, capacity_tokens)
+        self._contexts = Receiver()
 
     def ready(self) -> bool:
         return True
@@ -76,16 +83,18 @@ class DraftWorker:
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
-    def propose(self, rows: list[DraftRow], release: list[str]) -> Drafted:
-        return compute.run(self.draft.propose, rows, release)
+    def propose(self, rows: list[DraftRow], bases: dict[str, int], release: list[str]) -> Drafted:
+        """``rows`` carry their new tokens only (``deployments.contexts``)."""
+        return compute.run(self.draft.propose, self._contexts.restore(rows, bases, release), release)
 
 
 class RemoteTarget:
     """The step loop's target side over a TargetWorker (one call per step).
 
     A worker that dies mid-step is restarted by Ray (``max_restarts=-1``) and the step is sent
-    again: every row carries its full ids and pool range, so the new worker re-prefills and the
-    requests go on token for token (round seeds make sampling resume exactly too).
+    again, every context whole (a call carries only new tokens while the worker holds the
+    rest): the new worker re-prefills and the requests go on token for token (round seeds
+    make sampling resume exactly too).
     """
 
     def __init__(self, actor, max_length: int | None, timeout_s: float | None = None, restarts: int = 3):
@@ -94,27 +103,34 @@ class RemoteTarget:
         self.timeout_s = timeout_s
         self.restarts = restarts
         self.resumed = 0  # steps sent again after the worker died
+        self.contexts = Sender()
 
     def run(self, plan: StepPlan, external, release) -> StepResult:
         # ``external`` may be the DraftWorker's pending result: its ObjectRef goes to the
         # target worker directly, once it is known to arrive in time.
+        draft_side = external.source if isinstance(external, PendingDraft) else None
         if isinstance(external, PendingDraft):
             external = external.ref_in_time()
         for attempt in range(self.restarts + 1):
+            rows, bases = self.contexts.cut(plan.rows, release)
             try:
-                return ray.get(self.actor.step.remote(plan, external, list(release)), timeout=self.timeout_s)
-            except RayActorError:
+                result = ray.get(self.actor.step.remote(StepPlan(rows), bases, external, list(release)),
+                                 timeout=self.timeout_s)
+            except (RayError, MissingContext) as exc:
+                self.contexts.forget()
                 if isinstance(external, ray.ObjectRef) and _failed(external):
+                    if draft_side is not None:
+                        draft_side.contexts.forget()
                     raise DraftUnavailable("the draft worker did not deliver its proposals") from None
-                if attempt == self.restarts:
+                if not isinstance(exc, (RayActorError, MissingContext)) or attempt == self.restarts:
                     raise
-                log.warning("the target worker died mid-step; waiting for its restart to resume")
-                self._wait_alive()
-                self.resumed += 1
-            except RayError:
-                if isinstance(external, ray.ObjectRef) and _failed(external):
-                    raise DraftUnavailable("the draft worker did not deliver its proposals") from None
-                raise
+                if isinstance(exc, RayActorError):
+                    log.warning("the target worker died mid-step; waiting for its restart to resume")
+                    self._wait_alive()
+                    self.resumed += 1
+                continue  # a restarted worker: every context whole
+            self.contexts.sent(plan.rows)
+            return result
         raise AssertionError("unreachable")
 
     def _wait_alive(self) -> None:
@@ -151,15 +167,19 @@ class RemoteDraft:
         self.actor = actor
         self.timeout_s = timeout_s
         self.replacing = False
+        self.contexts = Sender()  # counted as delivered when sent; any failure resets it
 
     def propose(self, rows, release) -> PendingDraft:
-        return PendingDraft(self.actor.propose.remote(rows, list(release)), self)
+        wire, bases = self.contexts.cut(rows, release)
+        self.contexts.sent(rows)
+        return PendingDraft(self.actor.propose.remote(wire, bases, list(release)), self)
 
     def wait(self, ref: ray.ObjectRef) -> ray.ObjectRef:
         ready, _ = ray.wait([ref], timeout=self.timeout_s)
         if ready:
             self.replacing = False
             return ref
+        self.contexts.forget()
         if not self.replacing:
             log.warning("the draft worker did not answer in %.1f s: replacing it", self.timeout_s)
             ray.kill(self.actor, no_restart=False)
