@@ -542,3 +542,21 @@ def test_ideal_from_measured_tokens_credits_runs_of_acceptance():
     assert measured == pytest.approx(30 / 11)
     assert ideal_speedup_rounds([(0.5, 4, 0.0)] * 10, v) < measured
     assert ideal_speedup_measured([(1, 0, 0.0)] * 3, v) == 1.0
+
+
+def test_the_overhead_bench_times_steps_in_which_every_row_ran(monkeypatch, capsys, tmp_path):
+    """``specdec bench --overhead``: engine steps of B rows against a dense forward of B rows."""
+    from specdec.bench import overhead
+
+    shape = {**overhead.SHAPE, "num_hidden_layers": 2, "vocab_size": 512}
+    real_build = overhead.build_model
+    monkeypatch.setattr(overhead, "build_model", lambda *a, **k: real_build(shape))
+    out = tmp_path / "overhead.json"
+    assert main(["bench", "--overhead", "--rows", "1,3", "--steps", "6", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert [line.split("|")[1].strip() for line in printed.splitlines() if line[:3] in ("| 1", "| 3")] == ["1", "3"]
+    rows = json.loads(out.read_text())["overhead"]
+    assert [r["rows"] for r in rows] == [1, 3]
+    for r in rows:
+        assert r["engine_ms"] > r["plan_ms"] > 0 and r["dense_ms"] > 0
+        assert r["ratio"] == pytest.approx(r["engine_ms"] / r["dense_ms"])

@@ -98,12 +98,12 @@ def test_lint_catches_what_rays_schema_lets_through():
     assert len(problems) == 1 and "downscale_headroom" in problems[0]
     problems = mutated(lambda app, auto: auto.update(policy={"policy_function": "math:floor", "policy_kwargs": {"a": 1}}))
     assert len(problems) == 1 and "ignored by Ray for a function policy" in problems[0]
-    problems = mutated(lambda app, auto: auto["policy"]["policy_kwargs"].update(max_requests_per_unit=32))
+    problems = mutated(lambda app, auto: auto["policy"]["policy_kwargs"].update(max_requests_per_unit=512))
     assert len(problems) == 1 and "max_requests_per_unit" in problems[0]
 
 
 def test_lint_catches_capacity_mismatches_and_wrong_names():
-    problems = mutated(lambda app, auto: app["deployments"][0].update(max_ongoing_requests=64))
+    problems = mutated(lambda app, auto: app["deployments"][0].update(max_ongoing_requests=512))
     assert any("max_concurrent_requests" in p for p in problems), problems
     problems = mutated(lambda app, auto: app["deployments"][1].update(max_ongoing_requests=16))
     assert len(problems) == 1 and "unreachable" in problems[0] and "proxy" in problems[0], problems
@@ -190,11 +190,11 @@ def test_backpressure_unreachable_when_the_ingress_admits_no_more_than_the_unit_
         )], problems
     assert local_mutated(lambda c, router, ingress: ingress.update(max_ongoing_requests=81)) == []
     # The running share grows with the units' max_replicas (the queue is per caller: it does not).
-    problems = mutated(lambda app, auto: app["deployments"][1].update(max_ongoing_requests=160))
-    assert len(problems) == 1 and "16 running x 8 replicas (max_replicas) + 32 queued" in problems[0], problems
-    assert mutated(lambda app, auto: app["deployments"][1].update(max_ongoing_requests=161)) == []
+    problems = mutated(lambda app, auto: app["deployments"][1].update(max_ongoing_requests=2080))
+    assert len(problems) == 1 and "256 running x 8 replicas (max_replicas) + 32 queued" in problems[0], problems
+    assert mutated(lambda app, auto: app["deployments"][1].update(max_ongoing_requests=2081)) == []
     problems = mutated(lambda app, auto: app["deployments"][0]["autoscaling_config"].update(max_replicas=32))
-    assert len(problems) == 1 and "above 544" in problems[0], problems
+    assert len(problems) == 1 and "above 8224" in problems[0], problems
 
 
 def test_an_unset_ingress_limit_is_the_builders_not_serves():
@@ -238,7 +238,7 @@ def test_a_request_timeout_is_required(tmp_path):
 
 def test_the_shipped_configs_can_refuse():
     """The numbers the comments explain: a full unit answers 503/429 with Retry-After."""
-    for path, status, held, admitted in ((LOCAL_CONFIG, 503, 80, 256), (GPU_CONFIG, 429, 160, 512)):
+    for path, status, held, admitted in ((LOCAL_CONFIG, 503, 80, 256), (GPU_CONFIG, 429, 2080, 4096)):
         config = load(path)
         assert config["http_options"]["request_timeout_s"] > 0
         deps = {d["name"]: d for d in config["applications"][0]["deployments"]}

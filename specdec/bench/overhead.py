@@ -16,7 +16,6 @@ Each figure is the median over the decode steps in which all ``B`` rows ran.
 from __future__ import annotations
 
 import statistics
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -31,7 +30,7 @@ SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=30, num_at
 PROMPT_TOKENS = 64
 
 
-def _tokenizer():
+def tokenizer():
     """The demo tokenizer where it is cached (real detokenization cost), else a tiny one."""
     from specdec.demo import demo_paths
 
@@ -45,15 +44,28 @@ def _tokenizer():
     return build_tokenizer(synthetic_corpus(500))
 
 
-def build_model(out: Path, seed: int = 0) -> Path:
-    """The near-zero-compute model and a tokenizer, saved under ``out``."""
+def build_model(shape: dict = SHAPE, *, dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0):
+    """A random-weight Llama of ``shape`` (the near-zero-compute one by default)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**SHAPE, eos_token_id=0, bos_token_id=0)).eval()
-    model.save_pretrained(out)
-    _tokenizer().save_pretrained(out)
-    return out
+    with torch.device(device):
+        model = LlamaForCausalLM(LlamaConfig(**shape, eos_token_id=0, bos_token_id=0)).to(dtype)
+    return model.eval()
+
+
+def engine_for(model, tok, *, max_num_seqs: int, kv_cache_tokens: int, step_tokens: int = 512):
+    """An engine over a model already in memory (no draft model: plain rows and prompt lookup)."""
+    from specdec.batch.runner import BatchRunner
+    from specdec.config import ModelConfig, SpeculationConfig
+    from specdec.engine import Engine
+    from specdec.engine.target import TargetStep
+
+    runner = BatchRunner(model, capacity_tokens=kv_cache_tokens)
+    return Engine.from_parts(tok, TargetStep(runner), None, ModelConfig(target="in-memory"),
+                             eos_token_ids=frozenset(), capacity_tokens=runner.capacity,
+                             max_length=runner.max_length, speculation=SpeculationConfig(),
+                             max_num_seqs=max_num_seqs, step_tokens=step_tokens)
 
 
 def dense_step_s(model, rows: int, context: int, reps: int) -> float:
@@ -63,7 +75,7 @@ def dense_step_s(model, rows: int, context: int, reps: int) -> float:
     from transformers import DynamicCache
 
     gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, SHAPE["vocab_size"], (rows, context), generator=gen)
+    ids = torch.randint(0, model.config.vocab_size, (rows, context), generator=gen).to(model.device)
     times = []
     with torch.inference_mode():
         cache = DynamicCache()
@@ -73,6 +85,7 @@ def dense_step_s(model, rows: int, context: int, reps: int) -> float:
             t0 = time.perf_counter()
             out = model(input_ids=nxt, past_key_values=cache, use_cache=True, logits_to_keep=1)
             nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            nxt.cpu()  # what the engine does with every step's tokens (and a device sync)
             times.append(time.perf_counter() - t0)
             cache.crop(-1)  # the same context every time
     return statistics.median(times[2:])
@@ -82,7 +95,7 @@ def engine_step_s(engine, rows: int, steps: int) -> tuple[float, dict]:
     """Median seconds of a step with ``rows`` plain rows decoding together, and the median
     split of those steps (plan / the target's call / the rest)."""
     gen = torch.Generator().manual_seed(2)
-    vocab = len(engine.tokenizer)
+    vocab = min(len(engine.tokenizer), engine.target_model.config.vocab_size)
     prompts = [torch.randint(1, vocab, (PROMPT_TOKENS,), generator=gen).tolist() for _ in range(rows)]
     engine.loop.timings.clear()
     threads = [threading.Thread(target=engine.generate, args=(p,),
@@ -101,22 +114,19 @@ def engine_step_s(engine, rows: int, steps: int) -> tuple[float, dict]:
 
 
 def run(rows_list: list[int], steps: int = 24, threads: int | None = None) -> list[dict]:
-    from specdec.config import ModelConfig
-    from specdec.engine import Engine
-
     if threads:
         compute.set_threads(threads)
+    model = compute.run(build_model)
+    engine = engine_for(model, tokenizer(), max_num_seqs=max(rows_list),
+                        kv_cache_tokens=max(rows_list) * (PROMPT_TOKENS + steps + 16) + 64)
+    engine.generate(list(range(1, 9)), max_tokens=4, mode="off")  # warm-up
     results = []
-    with tempfile.TemporaryDirectory() as tmp:
-        path = build_model(Path(tmp) / "near-zero")
-        engine = Engine.load(ModelConfig(target=str(path), dtype="float32"), max_num_seqs=max(rows_list),
-                             kv_cache_tokens=max(rows_list) * (PROMPT_TOKENS + steps + 16) + 64)
-        engine.generate(list(range(1, 9)), max_tokens=4, mode="off")  # warm-up
-        for rows in rows_list:
-            step, split = engine_step_s(engine, rows, steps)
-            dense = compute.run(dense_step_s, engine.target_model, rows, PROMPT_TOKENS + steps // 2, reps=max(8, steps // 2))
-            results.append({"rows": rows, "engine_ms": 1e3 * step, "dense_ms": 1e3 * dense,
-                            "ratio": step / dense, **{f"{k}_ms": 1e3 * v for k, v in split.items()}})
+    for rows in rows_list:
+        step, split = engine_step_s(engine, rows, steps)
+        dense = compute.run(dense_step_s, model, rows, PROMPT_TOKENS + steps // 2, reps=max(8, steps // 2))
+        results.append({"rows": rows, "engine_ms": 1e3 * step, "dense_ms": 1e3 * dense,
+                        "ratio": step / dense, **{f"{k}_ms": 1e3 * v for k, v in split.items()}})
+    engine.loop.close()
     return results
 
 
