@@ -240,17 +240,18 @@ class BatchRunner:
         return seq, RowPlan(seq.start, keep, len(row.ids) - keep, at, row.parents)
 
     @torch.inference_mode()
-    def forward(self, rows: list[BatchRow]) -> list[torch.Tensor]:
-        """Per row, logits [num_logits, vocab] (float32, CPU) for its last positions.
+    def forward(self, rows: list[BatchRow], *, on_device: bool = False) -> list[torch.Tensor]:
+        """Per row, logits [num_logits, vocab] (float32; on the host, or with ``on_device`` where
+        the model ran: the verifier reads them there) for its last positions.
 
         One model pass over every row's new tokens. Afterwards each row's cache holds its ids.
         """
         with self._lock:
-            return self._forward(rows)
+            return self._forward(rows, on_device)
 
-    def _forward(self, rows: list[BatchRow]) -> list[torch.Tensor]:
+    def _forward(self, rows: list[BatchRow], on_device: bool = False) -> list[torch.Tensor]:
         planned = [(i, *p) for i, row in enumerate(rows) if (p := self._plan_row(row)) is not None]
-        out = [torch.empty(0, self.vocab_size) for _ in rows]
+        out = [torch.empty(0, self.vocab_size, device=self.device if on_device else "cpu") for _ in rows]
         if not planned:
             return out
         tokens, keep_idx, offset = [], [], 0
@@ -272,7 +273,8 @@ class BatchRunner:
                 self._captured = None
         finally:
             self.cache.unbind()
-        logits = result.logits[0].float().cpu()
+        logits = result.logits[0].float()
+        logits = logits if on_device else logits.cpu()
         at = 0
         for i, seq, plan in planned:
             row = rows[i]

@@ -61,15 +61,15 @@ def batched_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
     row for row to the scalar function (same operations, same order: temperature, top-k, top-p).
     """
     assert logits.dim() == 2 and logits.shape[0] == len(params), (logits.shape, len(params))
-    vocab = logits.shape[1]
-    logits = logits.float() / torch.tensor([p.temperature for p in params])[:, None]
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else 0 for p in params])
+    vocab, dev = logits.shape[1], logits.device
+    logits = logits.float() / torch.tensor([p.temperature for p in params], device=dev)[:, None]
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else 0 for p in params], device=dev)
     if top_k.any():
         sorted_desc = torch.sort(logits, dim=-1, descending=True).values
         kth = sorted_desc.gather(-1, (top_k - 1).clamp(min=0)[:, None])
         kth = torch.where(top_k[:, None] > 0, kth, torch.full_like(kth, -math.inf))
         logits = logits.masked_fill(logits < kth, -math.inf)
-    top_p = torch.tensor([p.top_p for p in params])
+    top_p = torch.tensor([p.top_p for p in params], device=dev)
     if (top_p < 1.0).any():
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         sorted_probs = sorted_logits.softmax(-1)
@@ -85,7 +85,10 @@ def verify_batch(rows: list[VerifyRow], logits: torch.Tensor) -> list[Verdict]:
     """One Verdict per row.
 
     rows:   B rows, row i with k_i drafts
-    logits: [sum_i (k_i + 1), vocab] the target's logits, row after row
+    logits: [sum_i (k_i + 1), vocab] the target's logits, row after row, on the device they were
+            computed on: greedy rows bring back only their argmax tokens; sampled rows' processed
+            distributions come to the host, where each row's generator draws (so a seed gives the
+            same text on any device).
     """
     sizes = [len(r.drafts) + 1 for r in rows]
     assert logits.dim() == 2 and logits.shape[0] == sum(sizes), (logits.shape, sizes)
@@ -97,16 +100,16 @@ def verify_batch(rows: list[VerifyRow], logits: torch.Tensor) -> list[Verdict]:
 
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
     if greedy:
-        argmax = logits.argmax(-1)  # [N]: one pass for every greedy row
+        argmax = logits.argmax(-1).tolist()  # [N]: one pass for every greedy row, ints to the host
         for i in greedy:
             match = _match if rows[i].parents is None else _match_tree
             verdicts[i] = match(rows[i], argmax[starts[i]: starts[i + 1]])
 
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
     if sampled:
-        index = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in sampled])
+        index = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in sampled]).to(logits.device)
         params = [rows[i].params for i in sampled for _ in range(sizes[i])]
-        p_all = batched_probs(logits[index], params)
+        p_all = batched_probs(logits[index], params).cpu()
         at = 0
         for i in sampled:
             p = p_all[at: at + sizes[i]]
@@ -125,15 +128,15 @@ def _suppress(rows: list[VerifyRow], logits: torch.Tensor, starts: list[int]) ->
             continue
         at = [starts[i] + j for j, d in enumerate(row.depths) if d < row.suppress_for]
         masked = logits.clone() if masked is None else masked
-        masked[torch.tensor(at)[:, None], torch.tensor(ids)[None, :]] = -math.inf
+        rows_at, ids_at = torch.tensor(at, device=logits.device), torch.tensor(ids, device=logits.device)
+        masked[rows_at[:, None], ids_at[None, :]] = -math.inf
     return logits if masked is None else masked
 
 
-def _match(row: VerifyRow, argmax: torch.Tensor) -> Verdict:
+def _match(row: VerifyRow, target: list[int]) -> Verdict:
     """Greedy: the longest prefix of drafts the target agrees with, then its own token."""
     drafts = row.drafts
     k = len(drafts)
-    target = argmax.tolist()
     n = 0
     while n < k and drafts[n] == target[n]:
         n += 1
@@ -143,12 +146,10 @@ def _match(row: VerifyRow, argmax: torch.Tensor) -> Verdict:
 def _reject_sample(row: VerifyRow, p: torch.Tensor) -> Verdict:
     """Exact rejection sampling for one row (``specdec.verify.verify_sampled``'s draws)."""
     k = len(row.drafts)
-    q = row.q
+    q = None if row.q is None else row.q.to(device=p.device, dtype=p.dtype)  # a drafter's q may be on the GPU
     if q is not None and q.shape[-1] != p.shape[-1]:  # e.g. a padded embedding matrix
         width = max(q.shape[-1], p.shape[-1])
-        p, q = _pad_vocab(p, width), _pad_vocab(q.to(p.dtype), width)
-    elif q is not None:
-        q = q.to(p.dtype)
+        p, q = _pad_vocab(p, width), _pad_vocab(q, width)
     generator = make_generator(row.seed)
     drafts = torch.tensor(row.drafts, dtype=torch.long)
     n = 0
@@ -165,13 +166,12 @@ def _reject_sample(row: VerifyRow, p: torch.Tensor) -> Verdict:
     return Verdict(tokens=row.drafts[:n] + [last], num_accepted=n, num_drafted=k)
 
 
-def _match_tree(row: VerifyRow, argmax: torch.Tensor) -> Verdict:
+def _match_tree(row: VerifyRow, target: list[int]) -> Verdict:
     """Greedy over a tree: from the root, follow the child whose token is the target's argmax
     at its parent; the first node without one gives the target's own token.
 
-    argmax: [1 + N] the target's token at the root and at every node.
+    target: [1 + N] the target's token at the root and at every node.
     """
-    target = argmax.tolist()
     path, node = [], trees.ROOT
     while True:
         want = target[node + 1]

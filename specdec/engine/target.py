@@ -104,7 +104,7 @@ class TargetStep:
                           proposals[r.key].parents)
                  if r.emits else BatchRow(r.key, r.context, 0, r.start, r.capacity) for r in plan.rows]
         t0 = time.perf_counter()
-        logits = self.runner.forward(batch)
+        logits = self.runner.forward(batch, on_device=True)  # verified where they are: tokens come back
         result.verify_s = time.perf_counter() - t0
         result.tokens = self.runner.last_fed
         if not emitting:
