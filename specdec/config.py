@@ -46,9 +46,16 @@ class ModelConfig(_Strict):
         "auto",
         description="Target dtype. auto: bfloat16 on a GPU and on a CPU with native bf16 instructions "
         "(AVX-512 BF16, AMX), where a (k+1)-token verify pass costs about one step; float32 on other CPUs, "
-        "where bf16 is emulated and verifying k drafts costs nearly k steps. bf16 rounds a (k+1)-token "
-        "pass and single steps differently: greedy output can differ at near-ties; float32 makes "
-        "speculative greedy output token-identical to plain decoding.",
+        "where bf16 is emulated and verifying k drafts costs nearly k steps. With numerics: fast, bf16 "
+        "rounds a (k+1)-token pass and single steps differently and greedy output can differ at near-ties.",
+    )
+    numerics: Literal["batch_invariant", "fast"] = Field(
+        "batch_invariant",
+        description="batch_invariant: a token's logits do not depend on how many tokens its row carries or "
+        "what else is in the step (each query of a draft row attends alone, as a plain decode step's does; "
+        "prompts are chunked at fixed places), so greedy output is the same with speculation on or off and "
+        "alone or batched, in bf16 too. fast: rows with few queries share one padded attention call per "
+        "layer (faster at many rows, on a GPU above all; bf16 rounds differently per batch).",
     )
     draft_dtype: DType = Field("float32", description="Draft dtype (small drafts are fast in fp32).")
     device: Literal["auto", "cpu", "cuda"] = Field(

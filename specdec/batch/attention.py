@@ -109,18 +109,54 @@ def pack(rows: list[RaggedRow], device: torch.device | str) -> Packed | None:
 
 
 @dataclass(frozen=True)
+class _Query:
+    """One query attending alone (batch-invariant numerics): flat token ``t`` over ``n`` keys,
+    pool rows ``[start, start + n)`` or, for a tree node, the rows in ``index``."""
+
+    t: int
+    start: int
+    n: int
+    index: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
 class _Step:
     rows: list[RaggedRow]
     packed: Packed | None
+    queries: dict[int, list[_Query]]  # invariant: row -> its queries, each attending alone
 
 
-def bind(rows: list[RaggedRow], device: torch.device | str = "cpu") -> None:
-    """Bind a step's rows (their masks on the host) to this thread's next forward on ``device``."""
-    packed = pack(rows, device)
-    alone = set(range(len(rows))) - set(packed.rows if packed is not None else ())
+def _queries(r: RaggedRow, device) -> list[_Query]:
+    """Each query of a multi-token row as the lone query of a decode step would attend: the
+    same call (one query, no mask) over exactly the keys it may see."""
+    out = []
+    for j in range(r.q):
+        seen = torch.ones(r.n, dtype=torch.bool) if r.mask is None else r.mask[j]
+        count = int(seen.sum())
+        if bool(seen[:count].all()):  # a prefix of the row: causal (a chain, a prompt)
+            out.append(_Query(r.t0 + j, r.start, count))
+        else:  # a tree node: the context and its ancestors
+            out.append(_Query(r.t0 + j, r.start, count, (r.start + seen.nonzero()[:, 0]).to(device)))
+    return out
+
+
+def bind(rows: list[RaggedRow], device: torch.device | str = "cpu", *, invariant: bool = False) -> None:
+    """Bind a step's rows (their masks on the host) to this thread's next forward on ``device``.
+
+    ``invariant``: batch-invariant numerics. No row shares a call, and each query of a row of
+    at most ``PACK_MAX_QUERIES`` tokens (a decode row's pending token, drafts, tree nodes)
+    attends alone, the way a lone decode step's query does: the logits of a token then do not
+    depend on how many tokens its row carries or on what else is in the step (bf16 kernels
+    round differently for other query counts, masks and paddings). A longer row (a prompt
+    chunk) attends in one causal call: it depends only on the chunk, which the step loop
+    cuts at fixed places in this mode.
+    """
+    packed = None if invariant else pack(rows, device)
+    queries = {i: _queries(r, device) for i, r in enumerate(rows) if 1 < r.q <= PACK_MAX_QUERIES} if invariant else {}
+    alone = set(range(len(rows))) - set(packed.rows if packed is not None else ()) - set(queries)
     rows = [dataclasses.replace(r, mask=r.mask.to(device)) if i in alone and r.mask is not None else r
             for i, r in enumerate(rows)]
-    _BOUND.step = _Step(rows, packed)
+    _BOUND.step = _Step(rows, packed, queries)
 
 
 def unbind() -> None:
@@ -144,6 +180,21 @@ def _packed_attention(p: Packed, query, key, value, scaling) -> torch.Tensor:
     else:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask, scale=scaling, enable_gqa=groups > 1)
     return out.transpose(0, 1).reshape(heads, b * p.q, dim).index_select(1, p.slots)
+
+
+def _one_query(qr: _Query, query, key, value, scaling) -> torch.Tensor:
+    """[1, H, 1, D]: one query alone, exactly as ``_row_attention`` runs a decode row."""
+    heads, kv_heads, dim = query.shape[1], key.shape[0], query.shape[3]
+    if qr.index is None:
+        k = key[:, qr.start: qr.start + qr.n].unsqueeze(0)
+        v = value[:, qr.start: qr.start + qr.n].unsqueeze(0)
+    else:
+        k, v = key[:, qr.index].unsqueeze(0), value[:, qr.index].unsqueeze(0)
+    q = query[:, :, qr.t: qr.t + 1]
+    if heads > kv_heads:
+        packed = q.reshape(1, kv_heads, heads // kv_heads, dim)
+        return F.scaled_dot_product_attention(packed, k, v, scale=scaling).reshape(1, heads, 1, dim)
+    return F.scaled_dot_product_attention(q, k, v, scale=scaling)
 
 
 def _row_attention(r: RaggedRow, query, key, value, scaling) -> torch.Tensor:
@@ -171,7 +222,9 @@ def ragged_attention(module, query, key, value, attention_mask, dropout: float =
     if p is not None and p.everything:
         return _packed_attention(p, query, key, value, scaling).transpose(0, 1)[None], None
     if p is None:
-        outs = [_row_attention(r, query, key, value, scaling) for r in step.rows]
+        outs = [torch.cat([_one_query(qr, query, key, value, scaling) for qr in step.queries[i]], dim=2)
+                if i in step.queries else _row_attention(r, query, key, value, scaling)
+                for i, r in enumerate(step.rows)]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         return out.transpose(1, 2).contiguous(), None
     out = query.new_empty(query.shape[1], query.shape[2], query.shape[3])  # [H, T, D]

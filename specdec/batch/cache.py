@@ -138,6 +138,7 @@ class FlatBatchCache(Cache):
         self.dtype, self.device = dtype, torch.device(device)
         self._write: torch.Tensor | None = None
         self._placeholder_mask = torch.zeros(1, 1, 1, 1, dtype=dtype, device=device)
+        self.invariant = False  # batch-invariant attention (``specdec.batch.attention.bind``)
 
     @staticmethod
     def bytes_per_token(config, dtype: torch.dtype) -> int:
@@ -164,7 +165,7 @@ class FlatBatchCache(Cache):
             ragged.append(attention.RaggedRow(t0, row.feed, row.start, n, mask))
             t0 += row.feed
         self._write = torch.cat(write).to(dev)
-        attention.bind(ragged, dev)
+        attention.bind(ragged, dev, invariant=self.invariant)
         return torch.cat(q_pos)[None].to(dev), self._placeholder_mask
 
     def unbind(self) -> None:

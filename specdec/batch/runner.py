@@ -93,7 +93,7 @@ class BatchRunner:
     """One model, one token pool, many sequences. Thread-safe (one lock serialises passes)."""
 
     def __init__(self, model: torch.nn.Module, *, capacity_tokens: int | None = None,
-                 max_length: int | None = None):
+                 max_length: int | None = None, invariant: bool = False):
         self.model = model
         self._max_length = max_length  # the operator's cap (max_model_len), below the model's own
         self.device = next(model.parameters()).device
@@ -101,6 +101,7 @@ class BatchRunner:
         cfg = model.config
         capacity = capacity_tokens or default_capacity(cfg, self.dtype, self.device, self.max_length)
         self.cache = FlatBatchCache(*kv_shape(cfg), capacity, dtype=self.dtype, device=self.device)
+        self.cache.invariant = invariant  # a token's logits do not depend on its row's length or the batch
         use_ragged(model)  # its attention reads each row's keys from the pool in place
         self._seqs: dict[str, _Seq] = {}
         self.features: torch.Tensor | None = None  # [capacity + 1, d] once keep_features() is called

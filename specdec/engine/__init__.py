@@ -108,7 +108,7 @@ class Engine:
                         capacity_tokens=capacity_tokens, max_num_seqs=max_num_seqs, step_tokens=step_tokens,
                         loop_drafters=build_drafters("loop", models, speculation, None, capacity_tokens),
                         default_k=speculation.num_speculative_tokens, max_length=max_length,
-                        tree_width=speculation.tree_width)
+                        tree_width=speculation.tree_width, fixed_chunks=models.numerics == "batch_invariant")
         return cls(tokenizer, loop, speculation=speculation)
 
     @property
@@ -303,7 +303,8 @@ def load_target_step(models: ModelConfig, speculation: SpeculationConfig, tokeni
     """The target model on its token pool, with the configured drafters that run on it."""
     target_model = load_model(models.target, models.dtype, models.device, revision=models.revision,
                               trust_remote_code=models.trust_remote_code)
-    runner = BatchRunner(target_model, capacity_tokens=kv_cache_tokens, max_length=models.max_model_len)
+    runner = BatchRunner(target_model, capacity_tokens=kv_cache_tokens, max_length=models.max_model_len,
+                         invariant=models.numerics == "batch_invariant")
     drafters = build_drafters("target", models, speculation, runner, runner.capacity)
     return TargetStep(runner, drafters), eos_token_ids(tokenizer, target_model)
 

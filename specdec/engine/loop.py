@@ -169,7 +169,8 @@ class StepLoop:
                  capacity_tokens: int, max_num_seqs: int = 16, step_tokens: int = 512,
                  policy: Callable[[], PolicyConfig] = PolicyConfig,
                  loop_drafters: dict[str, BatchDrafter] | None = None,
-                 default_k: int = 4, max_length: int | None = None, tree_width: int = 4):
+                 default_k: int = 4, max_length: int | None = None, tree_width: int = 4,
+                 fixed_chunks: bool = False):
         self.target, self.draft, self.modes = target, draft, list(modes)
         self.loop_drafters = dict(loop_drafters or {})
         self.tokenizer, self.eos_token_ids = tokenizer, eos_token_ids
@@ -177,6 +178,9 @@ class StepLoop:
         self.max_num_seqs, self.step_tokens = max_num_seqs, step_tokens
         self.policy_config, self.default_k, self.tree_width = policy, default_k, tree_width
         self.max_length = max_length
+        # Batch-invariant numerics: a prompt is prefilled in chunks of this many tokens at fixed
+        # places (what its KV holds then depends on the prompt alone); one always fits a step.
+        self.chunk = max(16, step_tokens - max_num_seqs) if fixed_chunks else None
         self.costs = StepCosts()
         self.guard = GoodputGuard()
         self.timings: deque[StepTiming] = deque(maxlen=4096)  # the last steps, for measurements
@@ -364,6 +368,14 @@ class StepLoop:
         rows, other = [], 0
         for live in (lv for lv in lives if not lv.decoding):
             rest = len(live.req.prompt_ids) - live.prefilled
+            if self.chunk is not None:  # fixed chunks: the next whole one, or wait for a step with room
+                take = min(rest, self.chunk)
+                if take > budget:
+                    continue
+                if take < rest:
+                    rows.append(self._row(live, emits=False, context=live.req.prompt_ids[: live.prefilled + take]))
+                    budget, other = budget - take, other + take
+                    continue
             if rest <= budget:  # a prompt that fits finishes its prefill as an emitting row
                 rows.append(self._row(live, emits=True))
                 budget, other = budget - rest, other + rest
