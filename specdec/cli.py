@@ -107,6 +107,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_from_args(args)
 
 
+def cmd_quality(args: argparse.Namespace) -> int:
+    from specdec.quality import run_from_args
+
+    return run_from_args(args)
+
+
 def cmd_traces(args: argparse.Namespace) -> int:
     from specdec.tracing.cli import run_from_args
 
@@ -164,6 +170,12 @@ def build_parser() -> argparse.ArgumentParser:
     sweep = sub.add_parser("sweep", help="off vs auto at 1-16 concurrent streams: tokens/s, TPOT, TTFT")
     add_sweep_arguments(sweep)
     sweep.set_defaults(func=cmd_sweep)
+
+    from specdec.quality import add_arguments as add_quality_arguments
+
+    quality = sub.add_parser("quality", help="the pre-rollout check: every mode's greedy answers against plain decoding")
+    add_quality_arguments(quality)
+    quality.set_defaults(func=cmd_quality)
 
     from specdec.tracing.cli import add_arguments as add_traces_arguments
 
