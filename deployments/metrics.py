@@ -62,6 +62,9 @@ class UnitMetrics:
         self.ttft = h("specdec_ttft_seconds", "Time to first token, in the unit.", _LATENCY)
         self.tpot = h("specdec_tpot_seconds", "Mean time per output token after the first.", _LATENCY)
         self.tps = h("specdec_output_tokens_per_second", "Output tokens/s of one request.", _RATES)
+        # the quality guard (specdec.engine.replay), by the mode of the request replayed
+        self.replays = c("specdec_quality_replays", "Finished requests replayed with speculation off, "
+                         "by whether the tokens matched.", ("match",))
         self.active = metrics.Gauge("specdec_active_requests", "Requests decoding now.", tag_keys=MODE)
         self._all.append(self.active)
         for metric in self._all:

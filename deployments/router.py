@@ -11,6 +11,7 @@ events (``deployments.protocol``: Start, Delta..., End, or Error) back to the in
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 
@@ -107,8 +108,13 @@ class SpecRouter:
         self.engine, self.actors = build_engine(self.args)
         self.engine.max_token_bytes  # computed now (a vocabulary pass), not on the first request
         self.metrics = UnitMetrics(self.model_name)
+        self.engine.loop.on_replay = self._replayed
         self.totals = UnitTotals()  # what the unit produced: its autoscaling capacity
         self._autoscaling_stats = StatsRecorder()
+
+    def _replayed(self, match: bool, request: GenerationRequest) -> None:
+        """A quality replay finished (the loop's thread): count it."""
+        self.metrics.replays.inc(tags={"mode": request.mode, "match": str(match).lower()})
 
     def reconfigure(self, user_config: dict) -> None:
         """Operator flags (kill switch, default mode, k_max, fallback thresholds), live."""
@@ -197,6 +203,8 @@ class SpecRouter:
         with telemetry.request_span(carrier=req.trace_context, attributes=attrs,
                                     trust_incoming=self.args.trace_trust_incoming) as trace:
             yield Start(prompt_tokens, greq.mode, telemetry.inject(trace.span).get("traceparent"))
+            trace_id = trace.span.get_span_context().trace_id.to_bytes(16, "big").hex()
+            greq = dataclasses.replace(greq, tag=f"trace {trace_id} (x-request-id {req.request_id})")
             produced, finish, controller = 0, None, {}
             start, ttft = time.perf_counter(), 0.0
             self.metrics.set_active(greq.mode, +1)

@@ -79,6 +79,15 @@ class PolicyConfig(BaseModel):
         "the target verifies them all in one pass, so more nodes hold the target's token more often "
         "and cost verify tokens (nearly free while a pass is memory-bound: a GPU, a small batch)."
     )
+    replay_fraction: float = Field(
+        0.0, ge=0, le=1, description="Quality guard: this share of finished greedy requests that speculated is "
+        "replayed with speculation off, on spare capacity only, and must give the same tokens "
+        "(``specdec.engine.replay``)."
+    )
+    replay_trip: int = Field(
+        3, ge=1, description="Quality guard: after this many replays that differ, the unit switches speculation "
+        "off by itself (the kill switch) and logs why; set kill_switch: false again to resume."
+    )
     confidence_stop: bool = Field(
         True, description="An adaptive request's draft chain stops where the drafter's own confidence "
         "says one more draft would not pay (drafts with a distribution; a request's explicit k is kept whole)."

@@ -31,7 +31,7 @@ DOC = ROOT / "docs" / "metrics.md"
 MODEL = "tiny"
 PROMPTS = ["The cat sees", "My friend builds the old", "Def f1(x): return x +"]
 # An operator config under which an adaptive request always falls back and probes every token.
-FALLBACK_POLICY = {"margin_off": 10.0, "margin_on": 20.0, "probe_interval": 1}
+FALLBACK_POLICY = {"margin_off": 10.0, "margin_on": 20.0, "probe_interval": 1, "replay_fraction": 1.0}
 SCRAPE_TIMEOUT_S = 45  # Ray exports every metrics_report_interval_ms, then the agent serves it
 
 
@@ -152,7 +152,8 @@ def scraped(unit):
     deadline, samples = time.monotonic() + SCRAPE_TIMEOUT_S, {}
     while time.monotonic() < deadline:
         samples = scrape(unit["metrics_port"])
-        if total(samples, "ray_specdec_requests_total") == len(bodies) and "ray_specdec_active_requests" in samples:
+        if total(samples, "ray_specdec_requests_total") == len(bodies) and "ray_specdec_active_requests" in samples \
+                and "ray_specdec_quality_replays_total" in samples:
             break
         time.sleep(1)
     return samples, bodies
@@ -201,3 +202,10 @@ def test_speculation_series_are_per_mode_and_add_up_to_the_responses(scraped):
     assert total(samples, "ray_specdec_accepted_length_count", mode="draft") > 0  # speculative rounds
     assert total(samples, "ray_specdec_request_queue_time_seconds_count") == len(bodies)
     assert total(samples, "ray_specdec_e2e_request_latency_seconds_count", mode="auto") == len(PROMPTS)
+
+
+def test_a_correct_unit_replays_requests_and_finds_no_mismatch(scraped):
+    """replay_fraction 1: greedy requests that speculated are replayed plainly on spare capacity."""
+    samples, _ = scraped
+    assert total(samples, "ray_specdec_quality_replays_total", match="true") >= 1
+    assert total(samples, "ray_specdec_quality_replays_total", match="false") == 0

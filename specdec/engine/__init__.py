@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -34,6 +35,8 @@ from specdec.loading import check_same_vocabulary, load_model, load_tokenizer
 from specdec.policy import PolicyConfig
 from specdec.sampling import SamplingParams
 from specdec.stats import RoundStats, SpeculationSummary
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Completion", "Engine", "LocalDraft", "PromptTooLong", "RoundEvent", "draft_tokenizer", "eos_token_ids",
            "load_draft_step", "load_target_step", "local_parts", "target_tokenizer"]
@@ -85,6 +88,14 @@ class Engine:
         self.speculation = speculation or SpeculationConfig()
         self.policy_config = policy_config or PolicyConfig()  # the operator's flags: replaced whole, live
         loop.policy_config = lambda: self.policy_config
+        loop.on_quality_trip = self._quality_tripped
+
+    def _quality_tripped(self, counts: dict) -> None:
+        """The quality guard saw speculation change answers: the live kill switch, by itself."""
+        self.policy_config = self.policy_config.model_copy(update={"kill_switch": True})
+        log.error("quality guard: %d of %d replayed requests gave other tokens than plain decoding; "
+                  "speculation is now off for this unit (kill_switch). Investigate, then set "
+                  "kill_switch: false to resume.", counts["mismatches"], counts["replayed"])
 
     @classmethod
     def load(cls, models: ModelConfig, speculation: SpeculationConfig | None = None, *,

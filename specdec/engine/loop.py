@@ -35,6 +35,7 @@ from specdec.batch.cache import RangeAllocator
 from specdec.drafters import DRAFTERS
 from specdec.drafters.base import EMPTY_PROPOSAL, BatchDrafter
 from specdec.engine.events import ErrorEvent, RoundEvent
+from specdec.engine.replay import QualityGuard
 from specdec.engine.plan import (
     DRAFT, DRAFT_RETRY_ROUNDS, TARGET, DraftUnavailable, Row, StepPlan, cut_round, draft_budget, round_seed,
 )
@@ -61,6 +62,7 @@ class GenerationRequest:
     ignore_eos: bool = False  # EOS does not end the request (stop_token_ids still do)
     stop_token_ids: frozenset[int] = frozenset()  # tokens that end the request, kept in the output
     min_tokens: int = 0  # no stop token or stop string ends the request before this many tokens
+    tag: str | None = None  # what logs name the request by (its trace id), e.g. when its replay differs
 
 
 class Handle:
@@ -142,6 +144,8 @@ class _Live:
     events_sent: int = 0
     submitted: float = field(default_factory=time.perf_counter)
     queued_s: float | None = None  # submit to admission: how long it waited for a KV range and a seat
+    expected: list[int] | None = None  # a quality replay: the tokens the request it replays emitted
+    replayed: GenerationRequest | None = None  # ... and that request
 
     @property
     def key(self) -> str:
@@ -184,6 +188,10 @@ class StepLoop:
         self.costs = StepCosts()
         self.guard = GoodputGuard()
         self.timings: deque[StepTiming] = deque(maxlen=4096)  # the last steps, for measurements
+        self.quality = QualityGuard()  # replays of finished requests (``specdec.engine.replay``)
+        self.on_replay: Callable[[bool, GenerationRequest], None] | None = None  # each replay's outcome
+        self.on_quality_trip: Callable[[dict], None] | None = None  # the guard tripped: switch speculation off
+        self._replays: deque[_Live] = deque()  # waiting for spare capacity
         self._waiting: deque[_Live] = deque()
         self._running: list[_Live] = []
         self._release: list[tuple[str, str]] = []  # (side, key) the workers may forget (sent with the next call)
@@ -219,14 +227,15 @@ class StepLoop:
 
     @property
     def active(self) -> int:
-        """Requests admitted or waiting: the load the unit carries."""
-        return len(self._running) + len(self._waiting)
+        """Requests admitted or waiting: the load the unit carries (quality replays are not)."""
+        return sum(1 for lv in self._running if lv.expected is None) + len(self._waiting)
 
     def usage(self) -> dict:
         """What the unit holds now (for tests and operators). ``orphans``: sequences a local
         model still caches that belong to no running request and are not due for release
         (None when the models are in worker actors)."""
         return {"running": len(self._running), "waiting": len(self._waiting), "steps": self.steps,
+                "replays": len(self._replays) + sum(1 for lv in self._running if lv.expected is not None),
                 "free_tokens": self.allocator.free_tokens, "capacity_tokens": self.allocator.capacity,
                 "orphans": self._orphans()}
 
@@ -261,7 +270,7 @@ class StepLoop:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not (self._running or self._waiting or self._closed):
+                while not (self._running or self._waiting or self._replays or self._closed):
                     self._cv.wait()
                 if self._closed:
                     return
@@ -345,19 +354,28 @@ class StepLoop:
 
     def _admit(self) -> None:
         with self._cv:
-            while self._waiting and len(self._running) < self.max_num_seqs:
-                live = self._waiting[0]
-                if live.handle.cancelled.is_set():
-                    self._waiting.popleft()
-                    continue
-                need = self._need(live.req)
-                start = self.allocator.allocate(need)
-                if start is None:
-                    break  # wait for room: requests leave the unit in order of arrival
-                self._waiting.popleft()
-                live.start, live.capacity = start, need
-                live.queued_s = time.perf_counter() - live.submitted
-                self._running.append(live)
+            if self._waiting:  # live traffic: quality replays give their places back, to start again later
+                for live in [lv for lv in self._running if lv.expected is not None]:
+                    self._finish(live, cancelled=True)
+                    self._replays.appendleft(self._replay(live.replayed, live.expected))
+            self._admit_from(self._waiting)
+            if not self._waiting and all(lv.expected is not None for lv in self._running):
+                self._admit_from(self._replays)  # spare capacity only
+
+    def _admit_from(self, queue: deque) -> None:
+        while queue and len(self._running) < self.max_num_seqs:
+            live = queue[0]
+            if live.handle.cancelled.is_set():
+                queue.popleft()
+                continue
+            need = self._need(live.req)
+            start = self.allocator.allocate(need)
+            if start is None:
+                break  # wait for room: requests leave the unit in order of arrival
+            queue.popleft()
+            live.start, live.capacity = start, need
+            live.queued_s = time.perf_counter() - live.submitted
+            self._running.append(live)
 
     # --- plan ---------------------------------------------------------------------------------
 
@@ -514,3 +532,34 @@ class StepLoop:
             self._release += [("target", live.key), ("draft", live.key)]
         if error is not None:
             live.handle.put(ErrorEvent(error))
+        elif not cancelled:
+            self._check_quality(live)
+
+    # --- the quality guard ------------------------------------------------------------------
+
+    def _replay(self, req: GenerationRequest, expected: list[int]) -> _Live:
+        """A request again, speculation off, that must emit ``expected``."""
+        plain = dataclasses.replace(req, mode="off", k=None)
+        text = TextStream(self.tokenizer, stop=list(req.stop), min_tokens=req.min_tokens)
+        return _Live(plain, Handle(uuid.uuid4().hex), 0, None, text, expected=list(expected), replayed=req)
+
+    def _check_quality(self, live: _Live) -> None:
+        """A finished request: replay it (some greedy ones that speculated), or judge a replay."""
+        cfg = self.policy_config()
+        if live.expected is None:
+            speculated = any(r.drafted for r in live.rounds)
+            if speculated and live.req.params.greedy and cfg.replay_fraction > 0 \
+                    and self.quality.wants(cfg.replay_fraction):
+                self._replays.append(self._replay(live.req, live.out))
+            return
+        match = live.out == live.expected
+        if not match:
+            at = next((i for i, (a, b) in enumerate(zip(live.out, live.expected)) if a != b),
+                      min(len(live.out), len(live.expected)))
+            log.warning("quality guard: request %s gave other tokens than plain decoding from token %d on",
+                        live.req.tag or "(untagged)", at)
+        tripped = self.quality.record(match, trip=cfg.replay_trip)
+        if self.on_replay is not None:
+            self.on_replay(match, live.replayed)
+        if tripped and self.on_quality_trip is not None:
+            self.on_quality_trip(self.quality.counts())
