@@ -91,3 +91,34 @@ def test_bf16_greedy_output_alone_batched_and_speculative(llama_pair):
     [t.join() for t in threads]
     engine.loop.close()
     assert together == alone
+
+
+def _plain_and_chained_logits(model) -> int:
+    """40 greedy tokens decoded one step at a time, then the same tokens fed as chains of a
+    pending token and 4 drafts: how many positions' logits differ (bitwise)."""
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, model.config.vocab_size, (37,), generator=gen).tolist()
+    r = BatchRunner(model, capacity_tokens=4 * CAP, invariant=True)
+    ids, plain = list(prompt), []
+    logits = r.forward([BatchRow("p", ids, 1, 1, CAP)])[0][0]
+    for _ in range(40):
+        ids.append(int(logits.argmax()))
+        plain.append(logits)
+        logits = r.forward([BatchRow("p", ids, 1, 1, CAP)])[0][0]
+    s = BatchRunner(model, capacity_tokens=4 * CAP, invariant=True)
+    chained, n = [s.forward([BatchRow("q", prompt, 1, 1, CAP)])[0][0]], len(prompt)
+    while len(chained) < 40:
+        chained.extend(s.forward([BatchRow("q", ids[: n + 5], 5, 1, CAP)])[0])
+        n += 5
+    return sum(not torch.equal(a, b) for a, b in zip(plain, chained))
+
+
+def test_one_token_steps_are_padded_onto_the_many_row_products(bf16_target, monkeypatch):
+    """A one-row matrix product takes another path than a many-row one and rounds differently
+    (bf16 on this CPU class): invariant numerics pad a one-token step to two tokens. Negative
+    control: without the padding the same 40 tokens give other logits somewhere."""
+    from specdec.batch import runner as runner_mod
+
+    assert _plain_and_chained_logits(bf16_target) == 0
+    monkeypatch.setattr(runner_mod, "INVARIANT_MIN_TOKENS", {torch.bfloat16: 1})
+    assert _plain_and_chained_logits(bf16_target) > 0

@@ -146,10 +146,11 @@ class FlatBatchCache(Cache):
         layers, heads, head_dim = kv_shape(config)
         return 2 * layers * heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
-    def plan(self, rows: list[RowPlan]) -> tuple[torch.Tensor, torch.Tensor]:
+    def plan(self, rows: list[RowPlan], *, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Bind the next forward to ``rows``; returns (position_ids [1, T], a placeholder 4D
         mask: attention is ``specdec.batch.attention``'s, per row, so transformers must not
-        build a mask of its own)."""
+        build a mask of its own). ``pad``: that many padding tokens after the rows, written to
+        the scratch row and attending only to it."""
         dev = self.device
         q_pos, write, ragged, t0 = [], [], [], 0
         for row in rows:
@@ -164,6 +165,10 @@ class FlatBatchCache(Cache):
             q_pos.append(q)
             ragged.append(attention.RaggedRow(t0, row.feed, row.start, n, mask))
             t0 += row.feed
+        for i in range(pad):
+            q_pos.append(torch.zeros(1, dtype=torch.long))
+            write.append(torch.zeros(1, dtype=torch.long))
+            ragged.append(attention.RaggedRow(t0 + i, 1, 0, 1, None))
         self._write = torch.cat(write).to(dev)
         attention.bind(ragged, dev, invariant=self.invariant)
         return torch.cat(q_pos)[None].to(dev), self._placeholder_mask
