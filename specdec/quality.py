@@ -151,11 +151,11 @@ def run_from_args(args) -> int:
         modes = args.modes.split(",") if args.modes else ["auto"]
         engine = None
     else:
-        from specdec.bench.sweep import _models
+        from specdec.bench.sweep import models_from_args
         from specdec.config import ModelConfig
         from specdec.engine import Engine
 
-        engine = Engine.load(ModelConfig(**_models(args), numerics=args.numerics), max_num_seqs=32)
+        engine = Engine.load(ModelConfig(**models_from_args(args), numerics=args.numerics), max_num_seqs=32)
         send = in_process_sender(engine)
         modes = args.modes.split(",") if args.modes else ["auto", *engine.drafters]
     rows = run(send, modes, args.max_tokens)

@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 def _overhead(args: argparse.Namespace) -> int:
     from specdec.bench import overhead
 
-    results = overhead.run(list(args.rows), steps=args.steps, threads=args.threads)
+    results = overhead.run(list(args.rows), steps=args.steps, threads=args.threads, numerics=args.numerics)
+    print(f"engine vs a dense forward, near-zero-compute model, numerics {args.numerics}")
     print(overhead.table(results))
     if args.out:
         Path(args.out).write_text(json.dumps({"overhead": results, "shape": overhead.SHAPE}, indent=2))

@@ -75,6 +75,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="only the engine's own cost per step (specdec.bench.overhead): rows 1, 8, 32, 64")
     r.add_argument("--rows", type=_ints, default=(1, 8, 32, 64), help="with --overhead: rows per step")
     r.add_argument("--steps", type=int, default=24, help="with --overhead: decode steps per level")
+    r.add_argument("--numerics", default="fast", choices=["fast", "batch_invariant"],
+                   help="with --overhead: the target's numerics")
     r.add_argument("--workloads", type=_workloads, default=list(WORKLOADS),
                    help=f"comma-separated subset of {','.join(WORKLOADS)}")
     r.add_argument("--prompts", type=int, help="prompts per workload")

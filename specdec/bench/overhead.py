@@ -7,8 +7,8 @@ commit, detokenization, events), and each step's time is set against one dense H
 forward of ``B`` rows x 1 token over a cache of the same length (SDPA, no engine). The ratio
 is what the engine adds; on a GPU, where the model is fast, it is most of the step.
 
-    specdec bench --overhead                 # rows 1, 8, 32, 64
-    specdec bench --overhead --rows 1,8 --steps 32
+    specdec bench --overhead                 # rows 1, 8, 32, 64, the fast numerics
+    specdec bench --overhead --rows 1,8 --steps 32 --numerics batch_invariant
 
 Each figure is the median over the decode steps in which all ``B`` rows ran.
 """
@@ -54,15 +54,16 @@ def build_model(shape: dict = SHAPE, *, dtype: torch.dtype = torch.float32, devi
     return model.eval()
 
 
-def engine_for(model, tok, *, max_num_seqs: int, kv_cache_tokens: int, step_tokens: int = 512):
+def engine_for(model, tok, *, max_num_seqs: int, kv_cache_tokens: int, step_tokens: int = 512,
+               numerics: str = "fast"):
     """An engine over a model already in memory (no draft model: plain rows and prompt lookup)."""
     from specdec.batch.runner import BatchRunner
     from specdec.config import ModelConfig, SpeculationConfig
     from specdec.engine import Engine
     from specdec.engine.target import TargetStep
 
-    runner = BatchRunner(model, capacity_tokens=kv_cache_tokens)
-    return Engine.from_parts(tok, TargetStep(runner), None, ModelConfig(target="in-memory"),
+    runner = BatchRunner(model, capacity_tokens=kv_cache_tokens, invariant=numerics == "batch_invariant")
+    return Engine.from_parts(tok, TargetStep(runner), None, ModelConfig(target="in-memory", numerics=numerics),
                              eos_token_ids=frozenset(), capacity_tokens=runner.capacity,
                              max_length=runner.max_length, speculation=SpeculationConfig(),
                              max_num_seqs=max_num_seqs, step_tokens=step_tokens)
@@ -113,11 +114,11 @@ def engine_step_s(engine, rows: int, steps: int) -> tuple[float, dict]:
     return statistics.median(t.total_s for t in full), split
 
 
-def run(rows_list: list[int], steps: int = 24, threads: int | None = None) -> list[dict]:
+def run(rows_list: list[int], steps: int = 24, threads: int | None = None, numerics: str = "fast") -> list[dict]:
     if threads:
         compute.set_threads(threads)
     model = compute.run(build_model)
-    engine = engine_for(model, tokenizer(), max_num_seqs=max(rows_list),
+    engine = engine_for(model, tokenizer(), max_num_seqs=max(rows_list), numerics=numerics,
                         kv_cache_tokens=max(rows_list) * (PROMPT_TOKENS + steps + 16) + 64)
     engine.generate(list(range(1, 9)), max_tokens=4, mode="off")  # warm-up
     results = []

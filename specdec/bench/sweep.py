@@ -163,6 +163,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", help="draft model (default: the demo pair)")
     p.add_argument("--dtype", default="auto", help="auto: bfloat16 where this machine has native bf16, else float32")
     p.add_argument("--modes", default="off,auto")
+    p.add_argument("--numerics", default="batch_invariant",
+                   help="the target's numerics, comma-separated to compare them in process (batch_invariant,fast)")
     p.add_argument("--concurrency", default="1,2,4,8,16")
     p.add_argument("--requests", type=int, default=2, help="requests per stream")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -172,10 +174,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", help="write a PNG of tokens/s and TPOT against concurrency")
 
 
-def _models(args) -> dict:
+def models_from_args(args) -> dict:
     from specdec.demo import demo_exit_adapter, demo_paths
 
-    if args.target:
+    if getattr(args, "target", None):
         return {"target": args.target, "draft": args.draft, "dtype": args.dtype}
     paths = demo_paths()
     exit_adapter = demo_exit_adapter()
@@ -201,12 +203,17 @@ def run(args) -> dict:
 
     if args.threads:
         compute.set_threads(args.threads)
-    models = _models(args)
-    engine = Engine.load(ModelConfig(**models), max_num_seqs=max(levels))
-    send = lambda m: in_process_sender(engine, m, args.max_tokens, chat)  # noqa: E731
-    for mode in modes:
-        send(mode)(prompts[0])  # warm-up
-    sections["in process"] = sweep(send, modes, levels, args.requests, prompts)
+    models = models_from_args(args)
+    numerics = args.numerics.split(",")
+    for numeric in numerics:
+        engine = Engine.load(ModelConfig(**models, numerics=numeric), max_num_seqs=max(levels))
+        send = lambda m: in_process_sender(engine, m, args.max_tokens, chat)  # noqa: E731
+        for mode in modes:
+            send(mode)(prompts[0])  # warm-up
+        where = "in process" if len(numerics) == 1 else f"in process, numerics {numeric}"
+        sections[where] = sweep(send, modes, levels, args.requests, prompts)
+        engine.loop.close()
+    models["numerics"] = numerics[0]
     if args.http:
         stop = local_server()(models, port=args.port, name="sweep", max_num_seqs=max(levels))
         try:
