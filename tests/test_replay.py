@@ -85,3 +85,49 @@ def test_replays_never_share_a_step_with_live_requests(engine, monkeypatch):
     counts = _wait_replays(engine, 6)
     assert counts["replayed"] == 6 and counts["mismatches"] == 0
     assert any(steps) and mixed == []
+
+
+def test_randomized_pit_is_uniform_for_draws_from_p_and_not_for_draws_from_q():
+    """The sampled check's statistic on its own: draws from p pass, draws from another q fail."""
+    import torch
+
+    from specdec.engine.replay import PIT_WINDOW, randomized_pit, uniform_window_fails
+
+    gen = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(PIT_WINDOW, 50, generator=gen) * 2, -1)
+    q = torch.softmax(torch.randn(PIT_WINDOW, 50, generator=gen) * 2, -1)
+    v = torch.rand(PIT_WINDOW, generator=gen)
+    from_p = torch.multinomial(p, 1, generator=gen)[:, 0].tolist()
+    from_q = torch.multinomial(q, 1, generator=gen)[:, 0].tolist()
+    assert not uniform_window_fails(randomized_pit(p, from_p, v))
+    assert uniform_window_fails(randomized_pit(p, from_q, v))
+
+
+def _sampled(engine, n_requests=24):
+    from specdec.sampling import SamplingParams
+
+    for i in range(n_requests):
+        engine.generate(engine.encode(prompt=PROMPTS[i % len(PROMPTS)]), max_tokens=24, mode="draft", k=4,
+                        params=SamplingParams(temperature=1.0, seed=i))
+
+
+def _wait_sampled(engine, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while (engine.loop._scores or engine.loop.quality.counts()["replayed"] < 2) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return engine.loop.quality.counts()
+
+
+def test_sampled_answers_of_a_correct_unit_pass_the_distribution_check(engine):
+    _sampled(engine)
+    counts = _wait_sampled(engine)
+    assert counts["replayed"] >= 2 and counts["mismatches"] == 0  # 24 x 24 tokens: two windows of 200
+
+
+def test_a_verifier_that_skips_rejection_fails_the_distribution_check(engine, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(batch_verify, "acceptance_probs", lambda x, q, p: torch.ones(len(x)))  # every draft kept
+    _sampled(engine)
+    counts = _wait_sampled(engine)
+    assert counts["replayed"] >= 2 and counts["mismatches"] >= 1

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import queue
 import threading
 import time
@@ -30,19 +31,21 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
+import torch
+
 from specdec import compute
 from specdec.batch.cache import RangeAllocator
 from specdec.drafters import DRAFTERS
 from specdec.drafters.base import EMPTY_PROPOSAL, BatchDrafter
 from specdec.engine.events import ErrorEvent, RoundEvent
-from specdec.engine.replay import QualityGuard
+from specdec.engine.replay import QualityGuard, randomized_pit
 from specdec.engine.plan import (
     DRAFT, DRAFT_RETRY_ROUNDS, TARGET, DraftUnavailable, Row, StepPlan, cut_round, draft_budget, round_seed,
 )
 from specdec.engine.schedule import Candidate, GoodputGuard, StepCosts, allocate
 from specdec.engine.target import Drafting, StepResult, draft_all, draft_rows
 from specdec.policy import PolicyConfig, SpeculationPolicy
-from specdec.sampling import SamplingParams, make_generator
+from specdec.sampling import SamplingParams, logits_to_probs, make_generator
 from specdec.stats import RoundStats
 from specdec.text import TextStream
 
@@ -192,6 +195,7 @@ class StepLoop:
         self.on_replay: Callable[[bool, GenerationRequest], None] | None = None  # each replay's outcome
         self.on_quality_trip: Callable[[dict], None] | None = None  # the guard tripped: switch speculation off
         self._replays: deque[_Live] = deque()  # waiting for spare capacity
+        self._scores: deque[tuple[GenerationRequest, list[int]]] = deque()  # sampled answers to score, likewise
         self._waiting: deque[_Live] = deque()
         self._running: list[_Live] = []
         self._release: list[tuple[str, str]] = []  # (side, key) the workers may forget (sent with the next call)
@@ -270,7 +274,7 @@ class StepLoop:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not (self._running or self._waiting or self._replays or self._closed):
+                while not (self._running or self._waiting or self._replays or self._scores or self._closed):
                     self._cv.wait()
                 if self._closed:
                     return
@@ -310,6 +314,8 @@ class StepLoop:
             self._finish(live, cancelled=True)
         if self._running:
             self._step(list(self._running))
+        elif self._scores and not self._waiting:  # spare capacity: check a sampled answer's distribution
+            self._score(*self._scores.popleft())
 
     def _isolate(self) -> None:
         """After a failed step: one step per request alone; those that fail alone get the error."""
@@ -548,9 +554,11 @@ class StepLoop:
         cfg = self.policy_config()
         if live.expected is None:
             speculated = any(r.drafted for r in live.rounds)
-            if speculated and live.req.params.greedy and cfg.replay_fraction > 0 \
-                    and self.quality.wants(cfg.replay_fraction):
-                self._replays.append(self._replay(live.req, live.out))
+            if speculated and cfg.replay_fraction > 0 and self.quality.wants(cfg.replay_fraction):
+                if live.req.params.greedy:
+                    self._replays.append(self._replay(live.req, live.out))
+                else:
+                    self._scores.append((live.req, list(live.out)))
             return
         match = live.out == live.expected
         if not match:
@@ -558,8 +566,32 @@ class StepLoop:
                       min(len(live.out), len(live.expected)))
             log.warning("quality guard: request %s gave other tokens than plain decoding from token %d on",
                         live.req.tag or "(untagged)", at)
-        tripped = self.quality.record(match, trip=cfg.replay_trip)
+        self._judge(match, live.replayed)
+
+    def _judge(self, match: bool, req: GenerationRequest) -> None:
+        tripped = self.quality.record(match, trip=self.policy_config().replay_trip)
         if self.on_replay is not None:
-            self.on_replay(match, live.replayed)
+            self.on_replay(match, req)
         if tripped and self.on_quality_trip is not None:
             self.on_quality_trip(self.quality.counts())
+
+    def _score(self, req: GenerationRequest, out: list[int]) -> None:
+        """A sampled answer, checked in distribution (``specdec.engine.replay``): the target scores
+        the emitted tokens in one plain forward; their transforms join the guard's windows."""
+        runner = getattr(self.target, "runner", None)
+        if runner is None or not out:
+            return  # the target runs in a worker: sampled answers are not checked (greedy ones are)
+        ids = req.prompt_ids + out
+        with runner.lock, torch.inference_mode():
+            logits = runner.model(input_ids=torch.tensor([ids], device=runner.device), use_cache=False,
+                                  logits_to_keep=len(out) + 1).logits[0, :-1].float().cpu()
+        stop = list(self._stop_ids(req))
+        if req.min_tokens and stop:  # the p the request was sampled from: stop ids suppressed this long
+            logits[: req.min_tokens, [t for t in stop if t < logits.shape[-1]]] = -math.inf
+        p = logits_to_probs(logits, req.params)
+        v = torch.rand(len(out), generator=make_generator(round_seed(len(ids), self.quality.replayed, TARGET)))
+        for passed in self.quality.sampled(randomized_pit(p, out, v)):
+            if not passed:
+                log.warning("quality guard: sampled answers (the last one: request %s) are not distributed "
+                            "as the target's own samples would be", req.tag or "(untagged)")
+            self._judge(passed, req)

@@ -7,8 +7,15 @@ greedy replay must give the same tokens; a mismatch is counted, logged with the 
 tag (its trace id), and past ``trip`` mismatches the guard trips: the unit switches
 speculation off by itself (the live kill switch) and says so.
 
-Sampled requests are not replayed: their text is a draw, and a comparison in distribution
-needs many draws of the same prompt; the chi-square tests of ``tests/`` cover that offline.
+A sampled request's text is a draw, so it is checked in distribution instead: on spare
+capacity the target scores the emitted tokens (one plain forward over prompt + answer, in the
+unit's process) and each token ``x_t`` becomes its randomized probability integral transform
+under the request's own processed distribution ``p_t`` (temperature, top-k, top-p, min_tokens):
+``u_t = P_t(X < x_t) + v_t * p_t(x_t)``, ``v_t`` uniform. When every token is a draw from
+``p_t`` (exact speculation), the ``u_t`` are independent and uniform on (0, 1); a verifier that
+lets the drafter's distribution through makes them pile up. Each window of ``PIT_WINDOW``
+values is a chi-square test of uniformity over ``PIT_BINS`` bins at significance 1e-4; a
+failed window counts as a mismatch.
 
     >>> g = QualityGuard()
     >>> [g.wants(0.25) for _ in range(8)]
@@ -22,6 +29,35 @@ from __future__ import annotations
 import math
 import threading
 
+import torch
+
+PIT_BINS, PIT_WINDOW = 10, 200
+CHI2_CRITICAL = 33.72  # chi-square, 9 degrees of freedom, significance 1e-4 (scipy.stats.chi2.ppf(1 - 1e-4, 9))
+
+
+def randomized_pit(p: torch.Tensor, tokens: list[int], v: torch.Tensor) -> list[float]:
+    """u_t = P_t(X < x_t) + v_t * p_t(x_t), tokens ordered by id.
+
+    p: [n, vocab] each position's distribution; tokens: [n] what was emitted; v: [n] uniforms.
+
+        >>> p = torch.tensor([[0.5, 0.25, 0.25]])
+        >>> randomized_pit(p, [1], torch.tensor([0.5]))
+        [0.625]
+    """
+    assert p.dim() == 2 and p.shape[0] == len(tokens) == v.shape[0], (p.shape, len(tokens), v.shape)
+    x = torch.tensor(tokens)[:, None]
+    below = p.cumsum(-1).gather(-1, x)[:, 0] - p.gather(-1, x)[:, 0]
+    return (below + v * p.gather(-1, x)[:, 0]).clamp(0, 1).tolist()
+
+
+def uniform_window_fails(us: list[float]) -> bool:
+    """Whether ``us`` fail the chi-square test of uniformity (``PIT_BINS`` bins, significance 1e-4)."""
+    counts = [0] * PIT_BINS
+    for u in us:
+        counts[min(PIT_BINS - 1, int(u * PIT_BINS))] += 1
+    expected = len(us) / PIT_BINS
+    return sum((c - expected) ** 2 / expected for c in counts) > CHI2_CRITICAL
+
 
 class QualityGuard:
     """Which finished requests to replay (every ``1 / fraction``-th eligible one, deterministic)
@@ -30,7 +66,18 @@ class QualityGuard:
     def __init__(self) -> None:
         self.eligible = self.replayed = self.mismatches = 0
         self.tripped = False
+        self._pit: list[float] = []  # sampled requests' transforms, not yet a whole window
         self._lock = threading.Lock()
+
+    def sampled(self, us: list[float]) -> list[bool]:
+        """A scored sampled request's transforms; per window they complete: did it pass?"""
+        with self._lock:
+            self._pit.extend(us)
+            windows = []
+            while len(self._pit) >= PIT_WINDOW:
+                window, self._pit = self._pit[:PIT_WINDOW], self._pit[PIT_WINDOW:]
+                windows.append(not uniform_window_fails(window))
+        return windows
 
     def wants(self, fraction: float) -> bool:
         """One more eligible request finished: replay it?"""
