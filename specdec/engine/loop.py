@@ -51,6 +51,8 @@ from specdec.text import TextStream
 
 log = logging.getLogger(__name__)
 
+REPLAY_BACKLOG = 256  # quality replays (and sampled answers to score) that may wait for spare capacity
+
 
 @dataclass(frozen=True)
 class GenerationRequest:
@@ -194,8 +196,9 @@ class StepLoop:
         self.quality = QualityGuard()  # replays of finished requests (``specdec.engine.replay``)
         self.on_replay: Callable[[bool, GenerationRequest], None] | None = None  # each replay's outcome
         self.on_quality_trip: Callable[[dict], None] | None = None  # the guard tripped: switch speculation off
-        self._replays: deque[_Live] = deque()  # waiting for spare capacity
-        self._scores: deque[tuple[GenerationRequest, list[int]]] = deque()  # sampled answers to score, likewise
+        # Waiting for spare capacity; under sustained load the oldest are dropped, not memory.
+        self._replays: deque[_Live] = deque(maxlen=REPLAY_BACKLOG)
+        self._scores: deque[tuple[GenerationRequest, list[int]]] = deque(maxlen=REPLAY_BACKLOG)  # sampled answers
         self._waiting: deque[_Live] = deque()
         self._running: list[_Live] = []
         self._release: list[tuple[str, str]] = []  # (side, key) the workers may forget (sent with the next call)
