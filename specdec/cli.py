@@ -108,7 +108,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_quality(args: argparse.Namespace) -> int:
-    from specdec.quality import run_from_args
+    from specdec.bench.quality import run_from_args
 
     return run_from_args(args)
 
@@ -117,6 +117,25 @@ def cmd_traces(args: argparse.Namespace) -> int:
     from specdec.tracing.cli import run_from_args
 
     return run_from_args(args)
+
+
+def _add_tools(sub) -> None:
+    """The measuring and reading subcommands: each module adds its own arguments."""
+    from specdec.bench.options import add_arguments as bench_arguments
+    from specdec.bench.quality import add_arguments as quality_arguments
+    from specdec.bench.sweep import add_arguments as sweep_arguments
+    from specdec.tracing.cli import add_arguments as traces_arguments
+
+    for name, add, func, text in (
+        ("bench", bench_arguments, cmd_bench, "benchmark speculation against plain decoding and transformers"),
+        ("sweep", sweep_arguments, cmd_sweep, "off vs auto at 1-16 concurrent streams: tokens/s, TPOT, TTFT"),
+        ("quality", quality_arguments, cmd_quality,
+         "the pre-rollout check: every mode's greedy answers against plain decoding"),
+        ("traces", traces_arguments, cmd_traces, "read request traces back: list, show, summary"),
+    ):
+        parser = sub.add_parser(name, help=text)
+        add(parser)
+        parser.set_defaults(func=func)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -159,30 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=cmd_demo_models)
 
-    from specdec.bench.options import add_arguments as add_bench_arguments
-
-    bench = sub.add_parser("bench", help="benchmark speculation against plain decoding and transformers")
-    add_bench_arguments(bench)
-    bench.set_defaults(func=cmd_bench)
-
-    from specdec.bench.sweep import add_arguments as add_sweep_arguments
-
-    sweep = sub.add_parser("sweep", help="off vs auto at 1-16 concurrent streams: tokens/s, TPOT, TTFT")
-    add_sweep_arguments(sweep)
-    sweep.set_defaults(func=cmd_sweep)
-
-    from specdec.quality import add_arguments as add_quality_arguments
-
-    quality = sub.add_parser("quality", help="the pre-rollout check: every mode's greedy answers against plain decoding")
-    add_quality_arguments(quality)
-    quality.set_defaults(func=cmd_quality)
-
-    from specdec.tracing.cli import add_arguments as add_traces_arguments
-
-    traces = sub.add_parser("traces", help="read request traces back: list, show, summary")
-    add_traces_arguments(traces)
-    traces.set_defaults(func=cmd_traces)
-
+    _add_tools(sub)
     register_commands(sub)  # check-config, from the Serve layer
     return parser
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from specdec import quality
+from specdec.bench import quality
 from specdec.batch import verify as batch_verify
 from specdec.config import ModelConfig
 from specdec.engine import Engine

@@ -3,6 +3,7 @@
 Modules, one concept each:
 
 - ``overhead``   the engine's own cost per step (``--overhead``), a near-zero-compute model
+- ``quality``    ``specdec quality``: every mode's greedy answers on a shipped suite against plain decoding
 - ``ideal``      the ideal-speedup math (pure; worked example in its docstring)
 - ``workloads``  the seeded prompt sets: chat, code, grounded, sampling
 - ``configs``    what runs: our modes and k, transformers' plain / assisted / prompt lookup, HTTP
