@@ -274,6 +274,8 @@ class BatchRunner:
         if self.cache.invariant:  # every token's products on the many-row path (INVARIANT_MIN_TOKENS)
             pad = max(0, INVARIANT_MIN_TOKENS.get(self.dtype, INVARIANT_MIN_TOKENS_DEFAULT) - len(tokens))
             tokens = tokens + [tokens[-1]] * pad
+            if len(keep_idx) == 1:  # the LM head too: a second row (its logits are dropped)
+                keep_idx = keep_idx + [0 if keep_idx[0] else len(tokens) - 1]
         input_ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         # Only the positions whose logits are asked for go through the LM head.
         keep = torch.tensor(keep_idx or [len(tokens) - 1], dtype=torch.long, device=self.device)
