@@ -124,6 +124,7 @@ class _Step:
     rows: list[RaggedRow]
     packed: Packed | None
     queries: dict[int, list[_Query]]  # invariant: row -> its queries, each attending alone
+    alone: list[int]  # the rows neither packed nor split into queries
 
 
 def _queries(r: RaggedRow, device) -> list[_Query]:
@@ -153,10 +154,11 @@ def bind(rows: list[RaggedRow], device: torch.device | str = "cpu", *, invariant
     """
     packed = None if invariant else pack(rows, device)
     queries = {i: _queries(r, device) for i, r in enumerate(rows) if 1 < r.q <= PACK_MAX_QUERIES} if invariant else {}
-    alone = set(range(len(rows))) - set(packed.rows if packed is not None else ()) - set(queries)
-    rows = [dataclasses.replace(r, mask=r.mask.to(device)) if i in alone and r.mask is not None else r
+    taken = set(packed.rows if packed is not None else ()) | set(queries)
+    alone = [i for i in range(len(rows)) if i not in taken]
+    rows = [dataclasses.replace(r, mask=r.mask.to(device)) if i not in taken and r.mask is not None else r
             for i, r in enumerate(rows)]
-    _BOUND.step = _Step(rows, packed, queries)
+    _BOUND.step = _Step(rows, packed, queries, alone)
 
 
 def unbind() -> None:
@@ -182,33 +184,32 @@ def _packed_attention(p: Packed, query, key, value, scaling) -> torch.Tensor:
     return out.transpose(0, 1).reshape(heads, b * p.q, dim).index_select(1, p.slots)
 
 
+def _lone_query(q, k, v, scaling) -> torch.Tensor:
+    """[1, H, 1, D]: one query [1, H, 1, D] over all of k / v [1, Hkv, n, D], no mask: the call of
+    a decode row, and of every query that must round like one (invariant numerics)."""
+    heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[3]
+    if heads == kv_heads:
+        return F.scaled_dot_product_attention(q, k, v, scale=scaling)
+    # Fold the heads that share a key head into its query rows (no repeat).
+    packed = q.reshape(1, kv_heads, heads // kv_heads, dim)
+    return F.scaled_dot_product_attention(packed, k, v, scale=scaling).reshape(1, heads, 1, dim)
+
+
 def _one_query(qr: _Query, query, key, value, scaling) -> torch.Tensor:
-    """[1, H, 1, D]: one query alone, exactly as ``_row_attention`` runs a decode row."""
-    heads, kv_heads, dim = query.shape[1], key.shape[0], query.shape[3]
-    if qr.index is None:
-        k = key[:, qr.start: qr.start + qr.n].unsqueeze(0)
-        v = value[:, qr.start: qr.start + qr.n].unsqueeze(0)
-    else:
-        k, v = key[:, qr.index].unsqueeze(0), value[:, qr.index].unsqueeze(0)
-    q = query[:, :, qr.t: qr.t + 1]
-    if heads > kv_heads:
-        packed = q.reshape(1, kv_heads, heads // kv_heads, dim)
-        return F.scaled_dot_product_attention(packed, k, v, scale=scaling).reshape(1, heads, 1, dim)
-    return F.scaled_dot_product_attention(q, k, v, scale=scaling)
+    """[1, H, 1, D]: one query of a multi-token row alone, as a decode row's is."""
+    keys = slice(qr.start, qr.start + qr.n) if qr.index is None else qr.index
+    return _lone_query(query[:, :, qr.t: qr.t + 1], key[:, keys].unsqueeze(0), value[:, keys].unsqueeze(0), scaling)
 
 
 def _row_attention(r: RaggedRow, query, key, value, scaling) -> torch.Tensor:
     """[1, H, q, D]: one row's queries over a view of its own keys."""
-    heads, kv_heads, dim = query.shape[1], key.shape[0], query.shape[3]
-    groups = heads // kv_heads
     q = query[:, :, r.t0: r.t0 + r.q]
     k = key[:, r.start: r.start + r.n].unsqueeze(0)  # a view: [1, Hkv, n, D]
     v = value[:, r.start: r.start + r.n].unsqueeze(0)
-    if r.q == 1 and groups > 1 and r.mask is None:
-        # One query: fold the heads that share a key head into its query rows (no repeat).
-        packed = q.reshape(1, kv_heads, groups, dim)
-        return F.scaled_dot_product_attention(packed, k, v, scale=scaling).reshape(1, heads, 1, dim)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=r.mask, scale=scaling, enable_gqa=groups > 1)
+    if r.q == 1 and r.mask is None:
+        return _lone_query(q, k, v, scaling)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=r.mask, scale=scaling,
+                                          enable_gqa=query.shape[1] > key.shape[0])
 
 
 def ragged_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
@@ -229,8 +230,7 @@ def ragged_attention(module, query, key, value, attention_mask, dropout: float =
         return out.transpose(1, 2).contiguous(), None
     out = query.new_empty(query.shape[1], query.shape[2], query.shape[3])  # [H, T, D]
     out[:, p.tokens] = _packed_attention(p, query, key, value, scaling)
-    alone = set(range(len(step.rows))) - set(p.rows)
-    for i in alone:
+    for i in step.alone:
         r = step.rows[i]
         out[:, r.t0: r.t0 + r.q] = _row_attention(r, query, key, value, scaling)[0]
     return out.transpose(0, 1)[None], None

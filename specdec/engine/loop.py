@@ -581,13 +581,11 @@ class StepLoop:
     def _score(self, req: GenerationRequest, out: list[int]) -> None:
         """A sampled answer, checked in distribution (``specdec.engine.replay``): the target scores
         the emitted tokens in one plain forward; their transforms join the guard's windows."""
-        runner = getattr(self.target, "runner", None)
-        if runner is None or not out:
+        score = getattr(self.target, "score", None)
+        if score is None or not out:
             return  # the target runs in a worker: sampled answers are not checked (greedy ones are)
         ids = req.prompt_ids + out
-        with runner.lock, torch.inference_mode():
-            logits = runner.model(input_ids=torch.tensor([ids], device=runner.device), use_cache=False,
-                                  logits_to_keep=len(out) + 1).logits[0, :-1].float().cpu()
+        logits = score(ids, len(out))
         stop = list(self._stop_ids(req))
         if req.min_tokens and stop:  # the p the request was sampled from: stop ids suppressed this long
             logits[: req.min_tokens, [t for t in stop if t < logits.shape[-1]]] = -math.inf

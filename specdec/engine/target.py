@@ -120,6 +120,15 @@ class TargetStep:
         result.verdicts, result.confidence = verdicts, [proposals[r.key].confidence for r in emitting]
         return result
 
+    def score(self, ids: list[int], n: int) -> torch.Tensor:
+        """[n, vocab] float32 on the host: the target's logits for each of the last ``n`` tokens
+        of ``ids``, given the tokens before it (one plain forward, no cache; the quality guard's)."""
+        model = self.runner.model
+        with self.runner.lock, torch.inference_mode():
+            out = model(input_ids=torch.tensor([ids], device=self.runner.device), use_cache=False,
+                        logits_to_keep=n + 1)
+        return out.logits[0, :-1].float().cpu()
+
     def _proposals(self, plan: StepPlan, external: Drafted | None, result: StepResult) -> dict[str, Proposal]:
         """1. Every emitting row's drafts, by key: given, from the draft side, or drafted here."""
         proposals = {r.key: r.proposal for r in plan.rows}
