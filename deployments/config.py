@@ -131,8 +131,13 @@ class UnitArgs(_Strict):
         "chunks of what is left, so one long prompt cannot stall every other stream."
     )
     kv_cache_tokens: int | None = Field(
-        None, ge=64, description="The KV cache's size in tokens, shared by the unit's requests (each "
-        "reserves prompt + max_tokens); None sizes it from the device (60% of free GPU memory, 10% of RAM)."
+        None, ge=64, description="The KV cache's size in tokens, shared by the unit's requests in blocks of "
+        "16 as they grow; None sizes it from the device at the unit's first start (60% of free GPU memory, "
+        "10% of RAM) and a restarted worker keeps that size."
+    )
+    prefix_caching: bool = Field(
+        True, description="Share the KV blocks of a prompt prefix an earlier request filled (a system "
+        "prompt is prefilled once, not per request); cached blocks are evicted least recently used first."
     )
     worker_timeout_s: float = Field(
         120.0, gt=0, description="actors: longest the target worker may take over one step before the step fails."

@@ -94,7 +94,8 @@ class _Response:
 
     def _usage(self) -> dict:
         p, c = self.end.prompt_tokens, self.end.completion_tokens
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+                "prompt_tokens_details": {"cached_tokens": self.end.cached_tokens}}
 
     def _finish(self) -> str:
         reason = self.end.finish_reason

@@ -56,6 +56,8 @@ class UnitMetrics:
         self.probes = c("specdec_probes", "Probe rounds while in plain decoding.")
         self.requests = c("specdec_requests", "Requests finished, by finish reason.", ("finish_reason",))
         self.prompt_tokens = c("specdec_prompt_tokens", "Prompt tokens of finished requests.")
+        self.cached_tokens = c("specdec_prompt_cached_tokens",
+                               "Prompt tokens whose KV came from the prefix cache (not prefilled again).")
         self.tokens = c("specdec_output_tokens", "Output tokens.")
         self.e2e = h("specdec_e2e_request_latency_seconds", "Request latency in the unit.", _E2E)
         self.queue = h("specdec_request_queue_time_seconds", "Submit to admission into the step loop.", _QUEUE)
@@ -93,6 +95,8 @@ class UnitMetrics:
         """One event of a request running in ``mode``: its round, and on the first its queue time."""
         if event.queued_s is not None:
             self.queue.observe(event.queued_s, tags={"mode": mode})
+        if event.cached_tokens:
+            self.cached_tokens.inc(event.cached_tokens, tags={"mode": mode})
         self.round(event.stats)
 
     def round(self, r: RoundStats) -> None:

@@ -195,6 +195,7 @@ class End:
     completion_tokens: int
     speculation: dict
     trace_id: str | None = None
+    cached_tokens: int = 0  # prompt tokens whose KV came from the unit's prefix cache
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,7 @@ def build_engine(args: UnitArgs) -> tuple[Engine, dict]:
     models, spec = args.models, args.speculation
     if args.torch_threads:
         compute.set_threads(args.torch_threads)
-    sizes = dict(max_num_seqs=args.max_num_seqs, step_tokens=args.step_tokens)
+    sizes = dict(max_num_seqs=args.max_num_seqs, step_tokens=args.step_tokens, prefix_caching=args.prefix_caching)
     if args.colocation == "in_process":
         return Engine.load(models, spec, kv_cache_tokens=args.kv_cache_tokens, **sizes), {}
     tokenizer = target_tokenizer(models)
@@ -205,7 +205,7 @@ class SpecRouter:
             yield Start(prompt_tokens, greq.mode, telemetry.inject(trace.span).get("traceparent"))
             trace_id = trace.span.get_span_context().trace_id.to_bytes(16, "big").hex()
             greq = dataclasses.replace(greq, tag=f"trace {trace_id} (x-request-id {req.request_id})")
-            produced, finish, controller = 0, None, {}
+            produced, finish, controller, cached = 0, None, {}, None
             start, ttft = time.perf_counter(), 0.0
             self.metrics.set_active(greq.mode, +1)
             try:
@@ -218,6 +218,7 @@ class SpecRouter:
                     produced += len(event.token_ids)
                     finish = event.finish_reason
                     controller = event.policy_summary or controller
+                    cached = event.cached_tokens if event.cached_tokens is not None else cached
                     yield Delta(event.text, event.token_ids)
             except (asyncio.CancelledError, GeneratorExit):  # the client went away: its handle is cancelled
                 finish = "cancelled"
@@ -228,9 +229,10 @@ class SpecRouter:
                                      finish=finish or "error", ttft_s=ttft, total_s=time.perf_counter() - start,
                                      controller=controller)
             summary = SpeculationSummary.from_rounds(greq.mode, trace.stats)
-            trace.finish(mode=summary.mode, finish_reason=finish, input_tokens=prompt_tokens, output_tokens=produced)
+            trace.finish(mode=summary.mode, finish_reason=finish, input_tokens=prompt_tokens, output_tokens=produced,
+                         cached_tokens=cached)
             yield End(finish, prompt_tokens, produced, {**summary.to_dict(), **controller},
-                      trace.span.get_span_context().trace_id.to_bytes(16, "big").hex())
+                      trace.span.get_span_context().trace_id.to_bytes(16, "big").hex(), cached or 0)
 
     def check_health(self) -> None:
         """Every worker answers (in process: the step loop is alive). A busy target answers

@@ -33,6 +33,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, without an install
 
 from specdec import compute  # noqa: E402
+from specdec.batch.blocks import BLOCK, blocks_for, run_of  # noqa: E402
 from specdec.batch.runner import BatchRow, BatchRunner  # noqa: E402
 
 SHAPES = {
@@ -66,15 +67,15 @@ def _sync(device: str) -> None:
 
 def time_steps(model, device: str, rows: int, q: int, context: int, reps: int) -> float:
     """Median seconds of one step: ``rows`` sequences at ``context`` tokens, each feeding ``q``."""
-    capacity = rows * (context + q + 1)
-    runner = BatchRunner(model, capacity_tokens=capacity)
+    span = context + q + 1
+    per_row = blocks_for(span)
+    runner = BatchRunner(model, capacity_tokens=rows * per_row * BLOCK)
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, vocab, (context + q,), generator=gen).tolist() for _ in range(rows)]
-    span = context + q + 1
-    prefill = [BatchRow(f"r{i}", seqs[i][:context], 1, 1 + i * span, span) for i in range(rows)]
+    prefill = [BatchRow(f"r{i}", seqs[i][:context], 1, run_of(1 + i * per_row, span)) for i in range(rows)]
     runner.forward(prefill)
-    step = [BatchRow(f"r{i}", seqs[i], q, 1 + i * span, span) for i in range(rows)]
+    step = [BatchRow(f"r{i}", seqs[i], q, run_of(1 + i * per_row, span)) for i in range(rows)]
     times = []
     for _ in range(reps + 2):
         _sync(device)
@@ -102,10 +103,11 @@ def equality(model, device: str) -> dict:
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(3)
     ids = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (37, 52, 45)]
-    runner.forward([BatchRow(str(i), s[:-1], 0, 1 + 256 * i, 256) for i, s in enumerate(ids)])
+    at = [run_of(1 + 16 * i, 256) for i in range(3)]
+    runner.forward([BatchRow(str(i), s[:-1], 0, at[i]) for i, s in enumerate(ids)])
     tree, parents = [5, 6, 7, 8], (-1, -1, 0, 1)
-    out = runner.forward([BatchRow("0", ids[0], 1, 1, 256), BatchRow("1", ids[1] + [1, 2, 3], 4, 257, 256),
-                          BatchRow("2", ids[2] + tree, 5, 513, 256, parents)])
+    out = runner.forward([BatchRow("0", ids[0], 1, at[0]), BatchRow("1", ids[1] + [1, 2, 3], 4, at[1]),
+                          BatchRow("2", ids[2] + tree, 5, at[2], parents)])
 
     def dense(seq):
         with torch.inference_mode():

@@ -293,6 +293,7 @@ class RequestTrace:
         input_tokens: int,
         output_tokens: int | None = None,
         mode: str | None = None,
+        cached_tokens: int | None = None,
     ) -> None:
         """The request's final statistics, on the request span (call inside the block)."""
         if not self.span.is_recording():
@@ -315,6 +316,8 @@ class RequestTrace:
         }
         if mode:
             attrs["specdec.mode"] = mode
+        if cached_tokens is not None:  # prompt tokens whose KV the prefix cache held
+            attrs["specdec.prompt_cached_tokens"] = cached_tokens
         start = getattr(self.span, "start_time", None)
         if rounds and rounds[0].started_at and start:
             first = rounds[0]

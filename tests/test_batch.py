@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import specdec.batch.verify as batch_verify
-from specdec.batch.cache import RangeAllocator
+from specdec.batch.blocks import run_of
 from specdec.batch.runner import BatchRow, BatchRunner
 from specdec.engine.schedule import Candidate, StepCosts, allocate
 from specdec.batch.verify import VerifyRow, batched_probs, verify_batch
@@ -47,19 +47,6 @@ def engine(request, llama_pair, gpt2_pair):
 # --- the token pool and flat ragged steps ---------------------------------------------------
 
 
-def test_allocator_first_fit_and_merge():
-    alloc = RangeAllocator(100)
-    a, b, c = alloc.allocate(30), alloc.allocate(30), alloc.allocate(30)
-    assert (a, b, c) == (1, 31, 61) and alloc.allocate(20) is None and alloc.free_tokens == 10
-    alloc.free(b, 30)
-    assert alloc.allocate(40) is None  # 30 + 10 free, but not in one range
-    alloc.free(c, 30)
-    assert alloc.largest_free() == 70 and alloc.allocate(70) == 31
-    alloc.free(a, 30)
-    alloc.free(31, 70)
-    assert alloc.free_tokens == 100 and alloc.largest_free() == 100
-
-
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_flat_steps_rollback_and_chunked_prefill_match_a_fresh_cache(arch, llama_pair, gpt2_pair):
     """Ragged rows in one pass (a chunk without logits, a prefill, a speculative row), then a
@@ -69,7 +56,7 @@ def test_flat_steps_rollback_and_chunked_prefill_match_a_fresh_cache(arch, llama
     runner = BatchRunner(model, capacity_tokens=1024)
     gen = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (5, 17, 40, 3)]
-    row = lambda i, ids, n: BatchRow(f"s{i}", ids, n, 1 + 200 * i, 200)  # noqa: E731
+    row = lambda i, ids, n: BatchRow(f"s{i}", ids, n, run_of(1 + 13 * i, 200))  # noqa: E731
     steps = [
         [row(0, seqs[0], 1), row(1, seqs[1][:8], 0), row(2, seqs[2], 3)],  # s1: a chunk, no logits
         [row(1, seqs[1], 2), row(3, seqs[3], 3), row(0, seqs[0] + [7, 8, 9], 4)],
@@ -290,7 +277,8 @@ def hf_greedy(model, ids, n):
 
 
 def test_requests_wait_for_room_in_the_cache(llama_pair):
-    """A cache of 160 tokens holds one 24 + 40 + 9 token request at a time... twice: the rest wait."""
+    """A cache of 160 tokens (10 blocks) cannot hold four answers of 40 tokens at once: some wait
+    (or are preempted and resume), all complete; a request that could never fit is refused."""
     engine = Engine.load(ModelConfig(target=str(llama_pair["target"]), dtype="float32"), kv_cache_tokens=160)
     ids = [engine.encode(prompt=p) for p in PROMPTS[:4]]
     results = {}

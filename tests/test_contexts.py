@@ -7,11 +7,12 @@ import pytest
 from deployments.contexts import MissingContext, Receiver, Sender
 from specdec.drafters.base import DraftRow
 from specdec.engine.plan import Row, StepPlan
+from specdec.batch.blocks import run_of
 from specdec.sampling import SamplingParams
 
 
 def plan(lengths: list[int], step: int) -> StepPlan:
-    return StepPlan([Row(f"r{i}", list(range(n + step)), 1 + 4096 * i, 4096, k=4, mode="draft",
+    return StepPlan([Row(f"r{i}", list(range(n + step)), run_of(1 + 256 * i, 4096), k=4, mode="draft",
                          params=SamplingParams(temperature=0.7, seed=i), target_seed=7 * step, draft_seed=9 * step)
                      for i, n in enumerate(lengths)])
 

@@ -11,6 +11,8 @@ import json
 import pytest
 import torch
 
+from specdec.batch.blocks import run_of, slots
+
 from specdec.batch.runner import BatchRow, BatchRunner
 from specdec.config import ModelConfig, SpeculationConfig
 from specdec.demo.config import BuildConfig
@@ -138,16 +140,16 @@ def test_the_feature_pool_leaves_the_logits_alone(trained):
     a, b = BatchRunner(model, capacity_tokens=512), BatchRunner(model, capacity_tokens=512)
     b.keep_features()
     x, y = tok(PROMPTS[0] + " " + PROMPTS[1])["input_ids"], tok(PROMPTS[2])["input_ids"]
-    steps = [[BatchRow("x", x[:5], 0, 1, 200), BatchRow("y", y, 2, 201, 200)],
-             [BatchRow("x", x, 3, 1, 200), BatchRow("y", y + [7, 9], 3, 201, 200)],
-             [BatchRow("y", y + [7], 1, 201, 200)]]  # a rollback, then one more token
+    steps = [[BatchRow("x", x[:5], 0, run_of(1, 200)), BatchRow("y", y, 2, run_of(14, 200))],
+             [BatchRow("x", x, 3, run_of(1, 200)), BatchRow("y", y + [7, 9], 3, run_of(14, 200))],
+             [BatchRow("y", y + [7], 1, run_of(14, 200))]]  # a rollback, then one more token
     for rows in steps:
         for got, want in zip(b.forward(rows), a.forward(rows)):
             assert torch.equal(got, want)
     with torch.no_grad():
-        for ids, start in ((x, 1), (y + [7], 201)):
+        for ids, first in ((x, 1), (y + [7], 14)):
             ref = model.base_model(input_ids=torch.tensor([ids])).last_hidden_state[0]
-            torch.testing.assert_close(b.features[start:start + len(ids)], ref, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(b.features[slots(run_of(first, 200), 0, len(ids))], ref, rtol=1e-4, atol=1e-5)
 
 
 def test_save_load_and_refusals(trained, tmp_path):

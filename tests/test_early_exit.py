@@ -12,6 +12,7 @@ from transformers import DynamicCache
 
 import specdec.demo as demo
 from specdec.drafters.base import Drafted, DraftRow
+from specdec.batch.blocks import blocks_for, run_of, slot, slots
 from specdec.batch.runner import BatchRow, BatchRunner
 from specdec.config import ModelConfig, SpeculationConfig
 from specdec.demo.exit_adapter import (ExitBuildConfig, TrainConfig, adapter_from_target, add_exit_adapters,
@@ -27,7 +28,7 @@ from three_tokens import batched_result, batched_test_and_control
 
 PROMPTS = [" ".join(p.split()[:4]) for p in synthetic_corpus(n_sentences=20, seed=99)]
 EXIT = 2  # of the tiny targets' 4 layers
-CAP = 200  # pool rows per sequence in the runner-level tests
+CAP = 208  # pool rows per sequence in the runner-level tests (13 whole blocks)
 
 
 @pytest.fixture(scope="module", params=["llama", "gpt2"])
@@ -63,11 +64,11 @@ def full_logits(model, ids):
 
 
 def row(key, ids, num_logits, slot):
-    return BatchRow(key, ids, num_logits, 1 + CAP * slot, CAP)
+    return BatchRow(key, ids, num_logits, run_of(1 + blocks_for(CAP) * slot, CAP))
 
 
 def draft_row(key, context, k, params, seed, slot):
-    return DraftRow(key, context, k, params, seed, 1 + CAP * slot, CAP)
+    return DraftRow(key, context, k, params, seed, run_of(1 + blocks_for(CAP) * slot, CAP))
 
 
 def pools(runner):
@@ -117,7 +118,7 @@ def test_shallow_stack_is_the_full_models_first_layers(pair):
                                            [pos] * len(live))
                 for j, i in enumerate(live):
                     torch.testing.assert_close(hidden[j], refs[i][L][0, pos], rtol=0, atol=1e-5)
-                    fed.add(1 + CAP * i + pos)
+                    fed.add(slot(run_of(1 + blocks_for(CAP) * i, CAP), pos))
             after = pools(runner)
             for kind in (0, 1):
                 rows = changed_rows(before[kind], after[kind])
@@ -158,11 +159,11 @@ def test_reused_cache_gives_the_same_logits_as_a_separate_one(pair):
                 torch.testing.assert_close(proposal.probs, ref_q, rtol=0, atol=1e-5)
                 # (b) what the row holds is untouched: same record, same pool rows, every layer
                 assert shared.cached_ids(key) == separate.cached_ids(key) == ids[:-1]
-                held = slice(1 + CAP * slot[key], 1 + CAP * slot[key] + len(ids) - 1)
+                held = slots(run_of(1 + blocks_for(CAP) * slot[key], CAP), 0, len(ids) - 1)
                 for a, b in zip(shared.cache.keys + shared.cache.values, separate.cache.keys + separate.cache.values):
                     assert torch.equal(a[:, held], b[:, held])
-                start = 1 + CAP * slot[key] + len(ids) - 1
-                drafted_at |= set(range(start, start + len(proposal)))  # context[-1] and all drafts but the last
+                table = run_of(1 + blocks_for(CAP) * slot[key], CAP)
+                drafted_at |= set(slots(table, len(ids) - 1, len(ids) - 1 + len(proposal)).tolist())  # context[-1] and all drafts but the last
             # drafting wrote layers 0..L-1 only, and only at positions the verify pass feeds
             after = pools(shared)
             for kind in (0, 1):

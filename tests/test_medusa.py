@@ -15,6 +15,8 @@ import random
 
 import pytest
 import torch
+
+from specdec.batch.blocks import run_of, slot
 import torch.nn.functional as F
 
 from specdec import trees
@@ -183,25 +185,25 @@ def test_the_tree_respects_a_narrow_frontier_and_empty_budgets():
 
 
 def test_the_drafter_reads_the_last_fed_feature_once_for_all_rows(trained):
-    """Chains are the heads' argmax on the feature of position n-2 (pool row start + n - 2);
+    """Chains are the heads' argmax on the feature of position n-2 (its pool row through the block table);
     trees are medusa_tree's on the same log-probs; rows the target has not fed are fed first;
     sampled rows get point masses; one batched pass."""
     model, tok, heads = trained["model"], trained["tok"], trained["heads"]
     runner = BatchRunner(model, capacity_tokens=512)
     drafter = MedusaDrafter(runner, heads, width=3)
     x, y = tok(PROMPTS[0])["input_ids"], tok(PROMPTS[1] + " " + PROMPTS[2])["input_ids"]
-    runner.forward([BatchRow("x", x[:-1], 0, 1, 100)])  # y and z are behind: the drafter feeds them
+    runner.forward([BatchRow("x", x[:-1], 0, run_of(1, 100))])  # y and z are behind: the drafter feeds them
     greedy, sampled = SamplingParams(), SamplingParams(temperature=1.0)
-    rows = [DraftRow("x", x, 5, greedy, 1, 1, 100), DraftRow("y", y, 2, sampled, 2, 101, 100),
-            DraftRow("w", x, 0, greedy, 3, 201, 100), DraftRow("z", y, 3, greedy, 4, 301, 100, nodes=7)]
+    rows = [DraftRow("x", x, 5, greedy, 1, run_of(1, 100)), DraftRow("y", y, 2, sampled, 2, run_of(8, 100)),
+            DraftRow("w", x, 0, greedy, 3, run_of(15, 100)), DraftRow("z", y, 3, greedy, 4, run_of(22, 100), nodes=7)]
     out = drafter.propose(rows)
     assert out.steps == 1 and len(out.proposals) == 4 and len(out.proposals[2]) == 0
     assert runner.cached_ids("y") == y[:-1] and runner.cached_ids("z") == y[:-1]
     with torch.no_grad():
         ref = model.base_model(input_ids=torch.tensor([y[:-1]])).last_hidden_state[0, -1]
-        torch.testing.assert_close(runner.features[301 + len(y) - 2], ref, rtol=1e-4, atol=1e-5)
-        logp = {key: torch.log_softmax(heads.logits(runner.features[start + len(c) - 2][None])[0], -1)
-                for key, c, start in (("x", x, 1), ("y", y, 101), ("z", y, 301))}  # [K, V] each
+        torch.testing.assert_close(runner.features[slot(run_of(22, 100), len(y) - 2)], ref, rtol=1e-4, atol=1e-5)
+        logp = {key: torch.log_softmax(heads.logits(runner.features[slot(run_of(first, 100), len(c) - 2)][None])[0], -1)
+                for key, c, first in (("x", x, 1), ("y", y, 8), ("z", y, 22))}  # [K, V] each
     assert out.proposals[0].tokens == logp["x"].argmax(-1).tolist()  # k=5, but only 3 heads
     assert out.proposals[1].tokens == logp["y"].argmax(-1).tolist()[:2] and out.proposals[1].probs is None
     tree = out.proposals[3]

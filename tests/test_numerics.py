@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from specdec.batch import attention
+from specdec.batch.blocks import blocks_for, run_of
 from specdec.batch.runner import BatchRow, BatchRunner
 from specdec.config import ModelConfig
 from specdec.engine import Engine
@@ -40,19 +41,19 @@ def _logits_of_one_token(model, invariant: bool) -> dict[str, torch.Tensor]:
 
     def runner():
         r = BatchRunner(model, capacity_tokens=8 * CAP, invariant=invariant)
-        r.forward([BatchRow("s", ctx, 0, 1, CAP)] +
-                  [BatchRow(f"o{i}", o[:-1], 0, 1 + CAP * (i + 1), CAP) for i, o in enumerate(others)])
+        r.forward([BatchRow("s", ctx, 0, run_of(1, CAP))] +
+                  [BatchRow(f"o{i}", o[:-1], 0, run_of(1 + blocks_for(CAP) * (i + 1), CAP)) for i, o in enumerate(others)])
         return r
 
     def with_others(row):
-        return [row] + [BatchRow(f"o{i}", o, 1, 1 + CAP * (i + 1), CAP) for i, o in enumerate(others)]
+        return [row] + [BatchRow(f"o{i}", o, 1, run_of(1 + blocks_for(CAP) * (i + 1), CAP)) for i, o in enumerate(others)]
 
-    out = {"plain": runner().forward([BatchRow("s", ctx + [7], 1, 1, CAP)])[0][0],
-           "chain": runner().forward([BatchRow("s", ctx + [7, 3, 4, 5], 4, 1, CAP)])[0][0],
-           "batch": runner().forward(with_others(BatchRow("s", ctx + [7], 1, 1, CAP)))[0][0],
-           "batch+chain": runner().forward(with_others(BatchRow("s", ctx + [7, 3, 4, 5], 4, 1, CAP)))[0][0]}
+    out = {"plain": runner().forward([BatchRow("s", ctx + [7], 1, run_of(1, CAP))])[0][0],
+           "chain": runner().forward([BatchRow("s", ctx + [7, 3, 4, 5], 4, run_of(1, CAP))])[0][0],
+           "batch": runner().forward(with_others(BatchRow("s", ctx + [7], 1, run_of(1, CAP))))[0][0],
+           "batch+chain": runner().forward(with_others(BatchRow("s", ctx + [7, 3, 4, 5], 4, run_of(1, CAP))))[0][0]}
     # the tree's node 0 is token 7: its logits are the same token's at the same position
-    scored = runner().forward(with_others(BatchRow("s", ctx[:-1] + [ctx[-1]] + tree, 5, 1, CAP, parents)))[0]
+    scored = runner().forward(with_others(BatchRow("s", ctx[:-1] + [ctx[-1]] + tree, 5, run_of(1, CAP), parents)))[0]
     assert path_to(parents, 0) == [0]
     out["batch+tree"] = scored[1]
     return out
@@ -100,15 +101,15 @@ def _plain_and_chained_logits(model) -> int:
     prompt = torch.randint(0, model.config.vocab_size, (37,), generator=gen).tolist()
     r = BatchRunner(model, capacity_tokens=4 * CAP, invariant=True)
     ids, plain = list(prompt), []
-    logits = r.forward([BatchRow("p", ids, 1, 1, CAP)])[0][0]
+    logits = r.forward([BatchRow("p", ids, 1, run_of(1, CAP))])[0][0]
     for _ in range(40):
         ids.append(int(logits.argmax()))
         plain.append(logits)
-        logits = r.forward([BatchRow("p", ids, 1, 1, CAP)])[0][0]
+        logits = r.forward([BatchRow("p", ids, 1, run_of(1, CAP))])[0][0]
     s = BatchRunner(model, capacity_tokens=4 * CAP, invariant=True)
-    chained, n = [s.forward([BatchRow("q", prompt, 1, 1, CAP)])[0][0]], len(prompt)
+    chained, n = [s.forward([BatchRow("q", prompt, 1, run_of(1, CAP))])[0][0]], len(prompt)
     while len(chained) < 40:
-        chained.extend(s.forward([BatchRow("q", ids[: n + 5], 5, 1, CAP)])[0])
+        chained.extend(s.forward([BatchRow("q", ids[: n + 5], 5, run_of(1, CAP))])[0])
         n += 5
     return sum(not torch.equal(a, b) for a, b in zip(plain, chained))
 

@@ -5,6 +5,7 @@ Every logit is checked against a plain transformers forward over the full ids (n
 import pytest
 import torch
 
+from specdec.batch.blocks import blocks_for, run_of, slots
 from specdec.batch.runner import BatchRow, BatchRunner, common_prefix_len
 from specdec.loading import load_model
 
@@ -23,7 +24,7 @@ def full_logits(model, ids):
 
 
 def row(key, ids, num_logits=1, slot=0):
-    return BatchRow(key, ids, num_logits, 1 + CAP * slot, CAP)
+    return BatchRow(key, ids, num_logits, run_of(1 + blocks_for(CAP) * slot, CAP))
 
 
 def one(runner, key, ids, num_logits=1, slot=0):
@@ -48,7 +49,7 @@ def test_prefill_speculate_reject_continue_matches_plain(model):
     # position, every layer (the fresh one in another runner, at another place in its pool).
     fresh = BatchRunner(model, capacity_tokens=4 * CAP)
     one(fresh, "f", cont, slot=2)
-    a, b = slice(1, 1 + len(cont)), slice(1 + 2 * CAP, 1 + 2 * CAP + len(cont))
+    a, b = slots(run_of(1, CAP), 0, len(cont)), slots(run_of(1 + 2 * blocks_for(CAP), CAP), 0, len(cont))
     for la, lb in zip(runner.cache.keys + runner.cache.values, fresh.cache.keys + fresh.cache.values):
         assert torch.allclose(la[:, a], lb[:, b], atol=1e-5)
 
@@ -95,10 +96,10 @@ def test_sequences_are_independent_and_release_frees(model):
 
 def test_a_sequence_outside_its_range_is_refused(model):
     runner = BatchRunner(model, capacity_tokens=CAP)
-    with pytest.raises(ValueError, match="reserved"):
-        runner.forward([BatchRow("s", list(range(10)), 1, 1, 8)])
+    with pytest.raises(ValueError, match="its blocks hold 16"):
+        runner.forward([BatchRow("s", list(range(20)), 1, run_of(1, 8))])
     with pytest.raises(ValueError, match="outside the pool"):
-        runner.forward([BatchRow("s", [1, 2], 1, CAP - 2, 8)])
+        runner.forward([BatchRow("s", [1, 2], 1, (runner.num_blocks,))])
 
 
 def test_common_prefix_len():
@@ -145,13 +146,13 @@ def test_one_padded_call_and_rows_alone_give_the_logits_of_a_dense_forward(model
     gen = torch.Generator().manual_seed(0)
     ids = [torch.randint(1, 300, (n,), generator=gen).tolist() for n in (6, 9, 7, 8, 40, 90)]
     tree_tokens, parents = [11, 12, 13, 14], (-1, -1, 0, 0)
-    at = lambda i: 1 + cap * i  # noqa: E731
-    runner.forward([BatchRow(str(i), s[:-1], 0, at(i), cap) for i, s in enumerate(ids) if i != 4])
-    rows = [BatchRow("0", ids[0], 1, at(0), cap), BatchRow("1", ids[1], 1, at(1), cap),
-            BatchRow("2", ids[2] + [3, 4, 5], 4, at(2), cap),  # a chain of 3 drafts
-            BatchRow("3", ids[3] + tree_tokens, 5, at(3), cap, parents),  # a tree
-            BatchRow("4", ids[4], 1, at(4), cap),  # a whole prompt: 40 queries
-            BatchRow("5", ids[5], 1, at(5), cap)]  # 90 keys: over twice the median
+    at = lambda i: run_of(1 + blocks_for(cap) * i, cap)  # noqa: E731
+    runner.forward([BatchRow(str(i), s[:-1], 0, at(i)) for i, s in enumerate(ids) if i != 4])
+    rows = [BatchRow("0", ids[0], 1, at(0)), BatchRow("1", ids[1], 1, at(1)),
+            BatchRow("2", ids[2] + [3, 4, 5], 4, at(2)),  # a chain of 3 drafts
+            BatchRow("3", ids[3] + tree_tokens, 5, at(3), parents),  # a tree
+            BatchRow("4", ids[4], 1, at(4)),  # a whole prompt: 40 queries
+            BatchRow("5", ids[5], 1, at(5))]  # 90 keys: over twice the median
     out = runner.forward(rows)
     expected_packed = [0, 1, 2, 3] if max_queries else None
     assert (packs[-1].rows if packs[-1] else None) == expected_packed

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from specdec import trees
+from specdec.batch.blocks import blocks_for, run_of
 from specdec.batch.runner import BatchRow, BatchRunner
 from specdec.loading import load_model
 
@@ -48,10 +49,10 @@ def test_every_node_sees_its_own_path(model, shape):
     tokens, parents = SHAPES[shape]
     runner = BatchRunner(model, capacity_tokens=4 * CAP)
     prompt = [5, 17, 42, 8, 99]
-    runner.forward([BatchRow("s", prompt[:-1], 0, 1, CAP)])  # the target holds all but the pending token
+    runner.forward([BatchRow("s", prompt[:-1], 0, run_of(1, CAP))])  # the target holds all but the pending token
     # a second sequence in the same pass, plain, to show trees and rows mix
-    out = runner.forward([BatchRow("s", prompt + tokens, len(tokens) + 1, 1, CAP, parents),
-                          BatchRow("o", [3, 4, 5], 1, 1 + CAP, CAP)])
+    out = runner.forward([BatchRow("s", prompt + tokens, len(tokens) + 1, run_of(1, CAP), parents),
+                          BatchRow("o", [3, 4, 5], 1, run_of(1 + blocks_for(CAP), CAP))])
     scored = out[0]
     assert torch.allclose(scored[0], full_logits(model, prompt)[-1], atol=1e-5)  # the root
     for i in range(len(tokens)):
@@ -65,17 +66,17 @@ def test_accepting_a_path_leaves_the_cache_of_a_fresh_prefill(model, shape):
     tokens, parents = SHAPES[shape]
     runner = BatchRunner(model, capacity_tokens=4 * CAP)
     prompt = [5, 17, 42, 8, 99]
-    runner.forward([BatchRow("s", prompt + tokens, len(tokens) + 1, 1, CAP, parents)])
+    runner.forward([BatchRow("s", prompt + tokens, len(tokens) + 1, run_of(1, CAP), parents)])
     path = trees.path_to(parents, len(tokens) - 1)  # the last node's path: moved, not in place
     runner.accept([("s", path)])
     kept = prompt + [tokens[j] for j in path]
     assert runner.cached_ids("s") == kept
     cont = kept + [3]
-    step = runner.forward([BatchRow("s", cont, 1, 1, CAP)])[0]
+    step = runner.forward([BatchRow("s", cont, 1, run_of(1, CAP))])[0]
     assert runner.last_fed == 1
     assert torch.allclose(step[0], full_logits(model, cont)[-1], atol=1e-5)
     fresh = BatchRunner(model, capacity_tokens=4 * CAP)
-    fresh.forward([BatchRow("f", cont, 1, 1 + 2 * CAP, CAP)])
+    fresh.forward([BatchRow("f", cont, 1, run_of(1 + 2 * blocks_for(CAP), CAP))])
     a, b = slice(1, 1 + len(cont)), slice(1 + 2 * CAP, 1 + 2 * CAP + len(cont))
     for la, lb in zip(runner.cache.keys + runner.cache.values, fresh.cache.keys + fresh.cache.values):
         assert torch.allclose(la[:, a], lb[:, b], atol=1e-5)
@@ -87,9 +88,9 @@ def test_a_tree_grows_level_by_level_and_settles_along_the_ids(model):
     tokens, parents = SHAPES[1]
     runner = BatchRunner(model, capacity_tokens=4 * CAP)
     prompt = [5, 17, 42, 8, 99]
-    runner.forward([BatchRow("s", prompt, 1, 1, CAP)])
+    runner.forward([BatchRow("s", prompt, 1, run_of(1, CAP))])
     for lo, hi in ((0, 3), (3, 5), (5, 6)):  # nodes 0-2, then 3-4, then 5
-        got = runner.forward([BatchRow("s", prompt + tokens[:hi], hi - lo, 1, CAP, parents[:hi])])[0]
+        got = runner.forward([BatchRow("s", prompt + tokens[:hi], hi - lo, run_of(1, CAP), parents[:hi])])[0]
         new = range(lo, hi)
         assert runner.last_fed == len(new)  # only the new level was fed
         for row, i in zip(got, new):
@@ -97,7 +98,7 @@ def test_a_tree_grows_level_by_level_and_settles_along_the_ids(model):
             assert torch.allclose(row, full_logits(model, prompt + path)[-1], atol=1e-5)
     # the next round: the path 7 -> 8 -> 9 was taken, and the bonus token 4 follows
     cont = prompt + [7, 8, 9, 4]
-    step = runner.forward([BatchRow("s", cont, 1, 1, CAP)])[0]
+    step = runner.forward([BatchRow("s", cont, 1, run_of(1, CAP))])[0]
     assert runner.last_fed == 1  # 7, 8, 9 came from the tree
     assert torch.allclose(step[0], full_logits(model, cont)[-1], atol=1e-5)
 

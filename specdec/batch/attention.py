@@ -9,8 +9,9 @@ keys back to back would cost ``T x sum_r n_r`` scores (quadratic in the batch). 
   host time from growing with its rows (measured on a 2-core AMD EPYC, one layer of 64 decode
   rows: 1.37 ms as 64 calls, 0.54 ms as one, hidden 64; equal, 3.7 ms, at the demo target's
   heads and 300 keys a row, where the gather costs what the calls save);
-- a row with many queries (a prompt chunk) attends alone, to a VIEW of its own contiguous
-  pool range (no copy): ``q x n`` scores.
+- a row with many queries (a prompt chunk) attends alone to its own keys: a VIEW of the pool
+  when its blocks are consecutive (no copy), gathered through its block table otherwise:
+  ``q x n`` scores.
 
 Registered with transformers as the attention implementation ``specdec_ragged``. It acts only
 while a ``BatchRunner`` step is bound (``bind`` / ``unbind``, per thread); any other call of
@@ -38,15 +39,20 @@ _BOUND = threading.local()
 
 @dataclass(frozen=True)
 class RaggedRow:
-    """Row r of a step: its queries are flat tokens [t0, t0 + q); its keys pool rows
-    [start, start + n), the last q of them its own new tokens. ``mask``: [q, n] bool (True =
-    attend), None when every query sees every key before it (one query, no token tree)."""
+    """Row r of a step: its queries are flat tokens [t0, t0 + q); its ``n`` keys the pool rows
+    ``keys`` (a slice, or an index [n] through the block table), the last q of them its own new
+    tokens. ``mask``: [q, n] bool (True = attend), None when every query sees every key before
+    it (one query, no token tree)."""
 
     t0: int
     q: int
-    start: int
+    keys: slice | torch.Tensor
     n: int
     mask: torch.Tensor | None
+
+    def key_rows(self) -> torch.Tensor:
+        """[n] the pool rows of its keys."""
+        return torch.arange(self.keys.start, self.keys.stop) if isinstance(self.keys, slice) else self.keys
 
 
 PACK_MAX_QUERIES = 32  # a row feeding more tokens than this (a prompt chunk) attends alone
@@ -95,7 +101,7 @@ def pack(rows: list[RaggedRow], device: torch.device | str) -> Packed | None:
     tokens, slots = [], []
     for b, i in enumerate(small):
         r = rows[i]
-        keys[b, : r.n] = torch.arange(r.start, r.start + r.n)
+        keys[b, : r.n] = r.key_rows()
         queries[b, : r.q] = torch.arange(r.t0, r.t0 + r.q)
         queries[b, r.q:] = r.t0 + r.q - 1
         mask[b, : r.q, : r.n] = True if r.mask is None else r.mask
@@ -110,13 +116,11 @@ def pack(rows: list[RaggedRow], device: torch.device | str) -> Packed | None:
 
 @dataclass(frozen=True)
 class _Query:
-    """One query attending alone (batch-invariant numerics): flat token ``t`` over ``n`` keys,
-    pool rows ``[start, start + n)`` or, for a tree node, the rows in ``index``."""
+    """One query attending alone (batch-invariant numerics): flat token ``t`` over the pool rows
+    ``keys`` (a slice, or an index on the device: a block table's, or a tree node's ancestors)."""
 
     t: int
-    start: int
-    n: int
-    index: torch.Tensor | None = None
+    keys: slice | torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -130,14 +134,18 @@ class _Step:
 def _queries(r: RaggedRow, device) -> list[_Query]:
     """Each query of a multi-token row as the lone query of a decode step would attend: the
     same call (one query, no mask) over exactly the keys it may see."""
-    out = []
+    out, rows = [], None
     for j in range(r.q):
         seen = torch.ones(r.n, dtype=torch.bool) if r.mask is None else r.mask[j]
         count = int(seen.sum())
-        if bool(seen[:count].all()):  # a prefix of the row: causal (a chain, a prompt)
-            out.append(_Query(r.t0 + j, r.start, count))
+        if bool(seen[:count].all()) and isinstance(r.keys, slice):  # causal (a chain, a prompt): a view
+            out.append(_Query(r.t0 + j, slice(r.keys.start, r.keys.start + count)))
+            continue
+        rows = r.key_rows().to(device) if rows is None else rows
+        if bool(seen[:count].all()):
+            out.append(_Query(r.t0 + j, rows[:count]))
         else:  # a tree node: the context and its ancestors
-            out.append(_Query(r.t0 + j, r.start, count, (r.start + seen.nonzero()[:, 0]).to(device)))
+            out.append(_Query(r.t0 + j, rows[seen.nonzero()[:, 0].to(device)]))
     return out
 
 
@@ -156,9 +164,15 @@ def bind(rows: list[RaggedRow], device: torch.device | str = "cpu", *, invariant
     queries = {i: _queries(r, device) for i, r in enumerate(rows) if 1 < r.q <= PACK_MAX_QUERIES} if invariant else {}
     taken = set(packed.rows if packed is not None else ()) | set(queries)
     alone = [i for i in range(len(rows)) if i not in taken]
-    rows = [dataclasses.replace(r, mask=r.mask.to(device)) if i not in taken and r.mask is not None else r
-            for i, r in enumerate(rows)]
+    rows = [_on(r, device) if i not in taken else r for i, r in enumerate(rows)]
     _BOUND.step = _Step(rows, packed, queries, alone)
+
+
+def _on(r: RaggedRow, device) -> RaggedRow:
+    """A row that attends alone, its mask and key index where the model runs."""
+    mask = r.mask.to(device) if r.mask is not None else None
+    keys = r.keys.to(device) if isinstance(r.keys, torch.Tensor) else r.keys
+    return dataclasses.replace(r, mask=mask, keys=keys)
 
 
 def unbind() -> None:
@@ -197,15 +211,15 @@ def _lone_query(q, k, v, scaling) -> torch.Tensor:
 
 def _one_query(qr: _Query, query, key, value, scaling) -> torch.Tensor:
     """[1, H, 1, D]: one query of a multi-token row alone, as a decode row's is."""
-    keys = slice(qr.start, qr.start + qr.n) if qr.index is None else qr.index
-    return _lone_query(query[:, :, qr.t: qr.t + 1], key[:, keys].unsqueeze(0), value[:, keys].unsqueeze(0), scaling)
+    return _lone_query(query[:, :, qr.t: qr.t + 1], key[:, qr.keys].unsqueeze(0), value[:, qr.keys].unsqueeze(0),
+                       scaling)
 
 
 def _row_attention(r: RaggedRow, query, key, value, scaling) -> torch.Tensor:
-    """[1, H, q, D]: one row's queries over a view of its own keys."""
+    """[1, H, q, D]: one row's queries over its own keys (a view when they are one slice)."""
     q = query[:, :, r.t0: r.t0 + r.q]
-    k = key[:, r.start: r.start + r.n].unsqueeze(0)  # a view: [1, Hkv, n, D]
-    v = value[:, r.start: r.start + r.n].unsqueeze(0)
+    k = key[:, r.keys].unsqueeze(0)  # [1, Hkv, n, D]
+    v = value[:, r.keys].unsqueeze(0)
     if r.q == 1 and r.mask is None:
         return _lone_query(q, k, v, scaling)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=r.mask, scale=scaling,

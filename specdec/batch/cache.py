@@ -1,9 +1,10 @@
-"""A KV cache shared by many sequences: one token pool per model, a flat ragged layout per step.
+"""A KV cache shared by many sequences: one paged token pool per model, a flat ragged layout per step.
 
-Memory is a budget in tokens, not a count of sequences. Each layer's keys and values live in
-one pool tensor ``[kv_heads, capacity + 1, head_dim]`` (token 0 is scratch). A sequence owns a
-contiguous range of pool rows, reserved when it is admitted (prompt + max_tokens + slack) and
-returned when it leaves; ``RangeAllocator`` hands the ranges out first-fit.
+Memory is a budget in blocks of ``BLOCK`` tokens. Each layer's keys and values live in one pool
+tensor ``[kv_heads, blocks * BLOCK, head_dim]``; block 0 is scratch (padding writes there). A
+sequence holds a block table: position ``p`` lives at pool row ``table[p // BLOCK] * BLOCK +
+p % BLOCK``. Blocks are handed out as a sequence grows (``specdec.batch.blocks``) and a full
+block of a shared prompt prefix can sit in several tables at once; nothing here cares which.
 
 A step runs every row's new tokens as ONE flat sequence of ``T`` tokens (batch size 1, no
 padding): a prefill chunk of 200 tokens and seven 1-token decode rows cost 207 positions, not
@@ -12,16 +13,21 @@ padding): a prefill chunk of 200 tokens and seven 1-token decode rows cost 207 p
 - ``position_ids`` [1, T]: each token's position within its own sequence;
 - write indices [T]: the pool row each new token's key/value goes to;
 - for the attention (``specdec.batch.attention``), each row's slice of the T queries and its
-  pool range: its queries attend to a view of its own keys, old and new, nothing else.
+  keys' pool rows (a slice of the pool when its blocks are consecutive, an index otherwise):
+  its queries attend to its own keys, old and new, nothing else.
 
 Rollback is bookkeeping only: a row's length is whatever its caller says it keeps; positions
 past it are overwritten by the next tokens fed there.
 
-Worked example (two rows; row a holds 3 tokens in pool rows 1-3 and feeds 1, row b holds 2 in
-pool rows 9-10 and feeds 2)::
+The pool also remembers which token prefix each full block holds (``holds``: block -> the
+``prefix_hashes`` value of the tokens up to its end), so a runner can trust a block another
+sequence filled: every write forgets what the written blocks held.
 
-    position_ids = [3 | 2, 3]            write = [4 | 11, 12]
-    row a: query 0 attends to pool rows 1-4; row b: queries 1-2 to pool rows 9-12 (causally)
+Worked example (``BLOCK`` = 4; row a holds 3 tokens in block 1 and feeds 1, row b holds 2 in
+block 5 and feeds 2)::
+
+    position_ids = [3 | 2, 3]            write = [7 | 22, 23]
+    row a: query 0 attends to pool rows 4-7; row b: queries 1-2 to pool rows 20-23 (causally)
 """
 
 from __future__ import annotations
@@ -33,44 +39,7 @@ from transformers.cache_utils import Cache
 
 from specdec import trees
 from specdec.batch import attention
-
-
-class RangeAllocator:
-    """First-fit contiguous ranges in ``[1, capacity]`` (0 is the scratch row)."""
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self._free: list[tuple[int, int]] = [(1, capacity)]  # (start, length), sorted by start
-
-    @property
-    def free_tokens(self) -> int:
-        return sum(n for _, n in self._free)
-
-    def largest_free(self) -> int:
-        return max((n for _, n in self._free), default=0)
-
-    def allocate(self, n: int) -> int | None:
-        """The start of a free range of ``n`` rows, or None when no hole is that large."""
-        for i, (start, length) in enumerate(self._free):
-            if length >= n:
-                if length == n:
-                    del self._free[i]
-                else:
-                    self._free[i] = (start + n, length - n)
-                return start
-        return None
-
-    def free(self, start: int, n: int) -> None:
-        """Return a range; merge it with its neighbours."""
-        self._free.append((start, n))
-        self._free.sort()
-        merged: list[tuple[int, int]] = []
-        for s, length in self._free:
-            if merged and merged[-1][0] + merged[-1][1] == s:
-                merged[-1] = (merged[-1][0], merged[-1][1] + length)
-            else:
-                merged.append((s, length))
-        self._free = merged
+from specdec.batch.blocks import BLOCK, slots, span
 
 
 def kv_shape(config) -> tuple[int, int, int]:
@@ -82,15 +51,15 @@ def kv_shape(config) -> tuple[int, int, int]:
 
 @dataclass
 class RowPlan:
-    """One row of a step: the sequence's pool range, tokens it keeps, tokens it feeds.
+    """One row of a step: the sequence's block table, tokens it keeps, tokens it feeds.
 
     A row whose last tokens are a token tree (``specdec.trees``) says where the tree begins
     (``tree_at``: the context's length ``n``) and every node's parent, kept nodes included:
-    node ``i`` is token ``n + i`` of the row (pool slot ``start + n + i``), at position
+    node ``i`` is token ``n + i`` of the row (the pool row of position ``n + i``), at position
     ``n - 1 + depth(i)``, and attends to the context and its own ancestors only.
     """
 
-    start: int  # first pool row of the sequence
+    blocks: tuple[int, ...]  # the sequence's block table (``specdec.batch.blocks``)
     keep: int  # tokens already in the cache that stay (the rest is rolled back)
     feed: int  # new tokens this step
     tree_at: int = 0  # with parents: the index of the tree's first node
@@ -126,19 +95,25 @@ class FlatBatchCache(Cache):
     layer's whole pool; the bound rows say which part of it each query sees.
     """
 
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, capacity: int, *,
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, num_blocks: int, *,
                  dtype: torch.dtype, device: torch.device | str):
         super().__init__(layers=[])
-        self.capacity = capacity
-        # [heads, tokens, dim]: a row's keys are one contiguous block per head, so attention
-        # reads them as a view. Token 0 is scratch.
-        shape = (kv_heads, capacity + 1, head_dim)
+        self.num_blocks = num_blocks
+        # [heads, tokens, dim]: a run of consecutive blocks is one contiguous slice per head, so
+        # attention reads it as a view. Block 0 is scratch.
+        shape = (kv_heads, num_blocks * BLOCK, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.dtype, self.device = dtype, torch.device(device)
         self._write: torch.Tensor | None = None
         self._placeholder_mask = torch.zeros(1, 1, 1, 1, dtype=dtype, device=device)
         self.invariant = False  # batch-invariant attention (``specdec.batch.attention.bind``)
+        self.holds: dict[int, bytes] = {}  # full block -> the prefix hash of what it holds
+
+    @property
+    def capacity(self) -> int:
+        """Tokens the pool holds (scratch excluded)."""
+        return (self.num_blocks - 1) * BLOCK
 
     @staticmethod
     def bytes_per_token(config, dtype: torch.dtype) -> int:
@@ -146,30 +121,44 @@ class FlatBatchCache(Cache):
         layers, heads, head_dim = kv_shape(config)
         return 2 * layers * heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
+    def forget(self, rows: torch.Tensor) -> None:
+        """Pool rows [t] are about to be written: their blocks no longer hold what they held."""
+        if self.holds:
+            for block in set((rows // BLOCK).tolist()):
+                self.holds.pop(block, None)
+
     def plan(self, rows: list[RowPlan], *, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Bind the next forward to ``rows``; returns (position_ids [1, T], a placeholder 4D
         mask: attention is ``specdec.batch.attention``'s, per row, so transformers must not
         build a mask of its own). ``pad``: that many padding tokens after the rows, written to
-        the scratch row and attending only to it."""
+        the scratch block and attending only to it."""
         dev = self.device
         q_pos, write, ragged, t0 = [], [], [], 0
         for row in rows:
             q = torch.arange(row.keep, row.keep + row.feed)
-            write.append(row.start + q)
             n = row.keep + row.feed
+            first = span(row.blocks, n)
+            if first is not None:
+                keys = slice(first, first + n)
+                write.append(first + q)
+            else:
+                keys = index = slots(row.blocks, 0, n)
+                write.append(index[row.keep:])
             mask = None
             if row.feed > 1:  # causal among the row's own new tokens
                 mask = torch.arange(n)[None, :] <= q[:, None]
             if row.parents is not None and n > row.tree_at:
                 q, mask = _tree_rows(row, q, mask)
             q_pos.append(q)
-            ragged.append(attention.RaggedRow(t0, row.feed, row.start, n, mask))
+            ragged.append(attention.RaggedRow(t0, row.feed, keys, n, mask))
             t0 += row.feed
         for i in range(pad):
             q_pos.append(torch.zeros(1, dtype=torch.long))
             write.append(torch.zeros(1, dtype=torch.long))
-            ragged.append(attention.RaggedRow(t0 + i, 1, 0, 1, None))
-        self._write = torch.cat(write).to(dev)
+            ragged.append(attention.RaggedRow(t0 + i, 1, slice(0, 1), 1, None))
+        written = torch.cat(write)
+        self.forget(written)
+        self._write = written.to(dev)
         attention.bind(ragged, dev, invariant=self.invariant)
         return torch.cat(q_pos)[None].to(dev), self._placeholder_mask
 

@@ -19,6 +19,7 @@ import torch
 
 from specdec import trees
 from specdec.batch.attention import use_ragged
+from specdec.batch.blocks import BLOCK, blocks_for, prefix_hashes, slots
 from specdec.batch.cache import FlatBatchCache, RowPlan, kv_shape
 from specdec.loading import model_max_length
 
@@ -41,7 +42,10 @@ class BatchRow:
 
     ``ids``: the tokens the cache must hold afterwards (the caller's truth);
     ``num_logits``: logits wanted for the last this-many positions (0 for a prefill chunk
-    that produces no token); ``capacity``: pool rows to reserve if the sequence is new.
+    that produces no token); ``blocks``: the sequence's block table (the step loop's
+    ``BlockPool`` decides it; it only grows while the sequence lives). Its first blocks may be
+    shared with other sequences: the runner trusts a block only when its pool says the block
+    holds exactly this prefix (``FlatBatchCache.holds``), and feeds the rest.
     ``parents``: the last ``len(parents)`` ids are a token tree (``specdec.trees``), not a
     continuation: the cache then holds them as a tree until the sequence goes on along one
     of its paths (``accept`` moves that path's entries into place).
@@ -50,9 +54,13 @@ class BatchRow:
     key: str
     ids: list[int]
     num_logits: int = 1
-    start: int = 0  # first pool row of the sequence's range (the step loop's allocator decides)
-    capacity: int = 0  # rows in that range
+    blocks: tuple[int, ...] = ()
     parents: tuple[int, ...] | None = None
+
+    @property
+    def capacity(self) -> int:
+        """Tokens its blocks hold."""
+        return len(self.blocks) * BLOCK
 
     @property
     def tree_at(self) -> int:
@@ -71,10 +79,14 @@ class _Tree:
 
 @dataclass
 class _Seq:
-    start: int
-    capacity: int
+    blocks: tuple[int, ...]
     ids: list[int] = field(default_factory=list)  # the tokens cached as a sequence (a tree's context)
     tree: _Tree | None = None
+    named: list[bytes] = field(default_factory=list)  # prefix hashes of its first full blocks (a prefix of ids)
+
+    @property
+    def capacity(self) -> int:
+        return len(self.blocks) * BLOCK
 
 
 # Batch-invariant numerics: the fewest tokens a forward may carry. CPU matrix products take a
@@ -87,7 +99,7 @@ INVARIANT_MIN_TOKENS_DEFAULT = 8
 
 def default_capacity(config, dtype: torch.dtype, device: torch.device, max_length: int | None) -> int:
     """Pool tokens sized from the device: 60% of free GPU memory, or 10% of RAM on a CPU;
-    never more than 64 full-length sequences."""
+    never more than 64 full-length sequences. A unit decides this once (``specdec.engine``)."""
     per_token = FlatBatchCache.bytes_per_token(config, dtype)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
@@ -108,11 +120,11 @@ class BatchRunner:
         self.dtype = next(model.parameters()).dtype
         cfg = model.config
         capacity = capacity_tokens or default_capacity(cfg, self.dtype, self.device, self.max_length)
-        self.cache = FlatBatchCache(*kv_shape(cfg), capacity, dtype=self.dtype, device=self.device)
+        self.cache = FlatBatchCache(*kv_shape(cfg), blocks_for(capacity) + 1, dtype=self.dtype, device=self.device)
         self.cache.invariant = invariant  # a token's logits do not depend on its row's length or the batch
         use_ragged(model)  # its attention reads each row's keys from the pool in place
         self._seqs: dict[str, _Seq] = {}
-        self.features: torch.Tensor | None = None  # [capacity + 1, d] once keep_features() is called
+        self.features: torch.Tensor | None = None  # [pool rows, d] once keep_features() is called
         self._captured: torch.Tensor | None = None
         self.last_fed = 0  # tokens the last forward fed (its cost driver)
         self._lock = threading.RLock()
@@ -122,7 +134,13 @@ class BatchRunner:
 
     @property
     def capacity(self) -> int:
+        """Tokens the pool holds."""
         return self.cache.capacity
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks of the pool, scratch block 0 included (``specdec.batch.blocks.BlockPool``'s size)."""
+        return self.cache.num_blocks
 
     @property
     def vocab_size(self) -> int:
@@ -139,8 +157,8 @@ class BatchRunner:
 
     def keep_features(self) -> None:
         """Also keep every fed token's final hidden state (what the LM head reads: an EAGLE
-        head's input) in a pool laid out like the KV pool: position ``p`` of a sequence at pool
-        row ``start + p``. Valid for the positions the sequence's cache holds. A forward hook
+        head's input) in a pool laid out like the KV pool: position ``p`` of a sequence at the
+        pool row its block table gives. Valid for the positions the sequence's cache holds. A forward hook
         on the final norm reads its output; the logits do not change."""
         from specdec.models.eagle import final_norm
 
@@ -148,7 +166,7 @@ class BatchRunner:
             return
         norm = final_norm(self.model)
         width = norm.weight.shape[0]
-        self.features = torch.zeros(self.capacity + 1, width, dtype=self.dtype, device=self.device)
+        self.features = torch.zeros(self.num_blocks * BLOCK, width, dtype=self.dtype, device=self.device)
 
         def capture(module, args, output):
             self._captured = output
@@ -158,9 +176,9 @@ class BatchRunner:
     def __contains__(self, key: str) -> bool:
         return key in self._seqs
 
-    def start_of(self, key: str) -> int:
-        """The first pool row of ``key``'s range."""
-        return self._seqs[key].start
+    def blocks_of(self, key: str) -> tuple[int, ...]:
+        """``key``'s block table."""
+        return self._seqs[key].blocks
 
     def keys(self) -> set[str]:
         """The sequences this runner holds."""
@@ -182,6 +200,7 @@ class BatchRunner:
             seq = self._seqs.get(key)
             if seq is not None:
                 del seq.ids[length:]
+                del seq.named[length // BLOCK:]
                 if seq.tree is not None and length < seq.tree.n:
                     seq.tree = None
 
@@ -195,14 +214,17 @@ class BatchRunner:
                 seq = self._seqs.get(key)
                 if seq is None or seq.tree is None:
                     continue
-                tree, base = seq.tree, seq.start + seq.tree.n
-                moved = [(base + p, base + j) for j, p in enumerate(path) if p != j]
-                src.extend(m[0] for m in moved)
-                dst.extend(m[1] for m in moved)
+                tree, n = seq.tree, seq.tree.n
+                moved = [(p, j) for j, p in enumerate(path) if p != j]
+                if moved:
+                    where = slots(seq.blocks, n, n + max(max(m) for m in moved) + 1)
+                    src.extend(int(where[m[0]]) for m in moved)
+                    dst.extend(int(where[m[1]]) for m in moved)
                 seq.ids = seq.ids[: tree.n] + [tree.tokens[p] for p in path]
                 seq.tree = None
             if not src:
                 return
+            self.cache.forget(torch.tensor(dst))
             s = torch.tensor(src, device=self.device)
             d = torch.tensor(dst, device=self.device)
             for keys, values in zip(self.cache.keys, self.cache.values):  # [heads, tokens, dim]
@@ -233,12 +255,13 @@ class BatchRunner:
     def _plan_row(self, row: BatchRow) -> tuple[_Seq, RowPlan] | None:
         assert 0 <= row.num_logits <= len(row.ids), (row.num_logits, len(row.ids))
         seq = self._seqs.get(row.key)
-        if seq is None or (seq.start, seq.capacity) != (row.start, row.capacity):
-            if not (1 <= row.start and row.start + row.capacity - 1 <= self.capacity):
-                raise ValueError(f"sequence {row.key}: pool range {row.start}+{row.capacity} is outside the pool")
-            seq = self._seqs[row.key] = _Seq(row.start, row.capacity)  # new, or restarted elsewhere
+        if seq is None or row.blocks[: len(seq.blocks)] != seq.blocks:
+            if not all(0 < b < self.num_blocks for b in row.blocks):
+                raise ValueError(f"sequence {row.key}: a block of {row.blocks} is outside the pool")
+            seq = self._seqs[row.key] = self._shared(row)  # new, or restarted elsewhere
+        seq.blocks = row.blocks  # grown by the blocks its next tokens need
         if len(row.ids) > seq.capacity:
-            raise ValueError(f"sequence {row.key} needs {len(row.ids)} tokens; it reserved {seq.capacity}")
+            raise ValueError(f"sequence {row.key} needs {len(row.ids)} tokens; its blocks hold {seq.capacity}")
         at = row.tree_at
         keep = min(self._kept(seq, row), len(row.ids) - row.num_logits)
         if keep < at:
@@ -246,7 +269,32 @@ class BatchRunner:
             del seq.ids[keep:]
         if keep == len(row.ids):
             return None  # nothing to feed, no logits asked
-        return seq, RowPlan(seq.start, keep, len(row.ids) - keep, at, row.parents)
+        del seq.named[keep // BLOCK:]  # the blocks it writes hold something else now
+        return seq, RowPlan(seq.blocks, keep, len(row.ids) - keep, at, row.parents)
+
+    def _shared(self, row: BatchRow) -> _Seq:
+        """A sequence new to this runner: it holds the first full blocks of ``row`` that its pool
+        says hold exactly that prefix (filled by another sequence with the same prompt)."""
+        seq = _Seq(row.blocks)
+        holds = self.cache.holds
+        if not holds or not row.blocks:
+            return seq
+        names = prefix_hashes(row.ids[: min(len(row.ids) - row.num_logits, row.tree_at)])
+        for j, name in enumerate(names[: len(row.blocks)]):
+            if holds.get(row.blocks[j]) != name:
+                break
+            seq.named.append(name)
+        seq.ids = list(row.ids[: len(seq.named) * BLOCK])
+        return seq
+
+    def _name_blocks(self, seq: _Seq) -> None:
+        """After a forward: the sequence's full blocks hold their prefixes (for other sequences)."""
+        full, known = min(len(seq.ids) // BLOCK, len(seq.blocks)), len(seq.named)
+        if full <= known:
+            return
+        seq.named = prefix_hashes(seq.ids[: full * BLOCK], start=seq.named)
+        for j in range(known, full):
+            self.cache.holds[seq.blocks[j]] = seq.named[j]
 
     @torch.inference_mode()
     def forward(self, rows: list[BatchRow], *, on_device: bool = False) -> list[torch.Tensor]:
@@ -294,6 +342,7 @@ class BatchRunner:
         for i, seq, plan in planned:
             row = rows[i]
             seq.ids = list(row.ids[: row.tree_at])
+            self._name_blocks(seq)
             if row.parents is not None:
                 seq.tree = _Tree(row.tree_at, list(row.ids[row.tree_at:]), tuple(row.parents))
             out[i] = logits[at: at + row.num_logits]

@@ -14,6 +14,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+from specdec.batch.blocks import run_of
 from specdec.batch.runner import BatchRow, BatchRunner
 
 
@@ -49,7 +50,7 @@ KEY = "cost"
 
 def _timed_pass(runner: BatchRunner, context: list[int], extra: list[int]) -> float:
     """Time one forward of ``extra`` on top of a cached ``context``, then roll back."""
-    row = BatchRow(KEY, context + extra, len(extra), 1, runner.capacity)
+    row = BatchRow(KEY, context + extra, len(extra), run_of(1, runner.capacity))
     t0 = time.perf_counter()
     runner.forward([row])
     elapsed = time.perf_counter() - t0
@@ -71,7 +72,7 @@ def measure_costs(
     draft = BatchRunner(draft_model, capacity_tokens=size) if draft_model is not None else None
     for runner in (target, draft):  # prefill
         if runner is not None:
-            runner.forward([BatchRow(KEY, context, 1, 1, size)])
+            runner.forward([BatchRow(KEY, context, 1, run_of(1, size))])
     times: dict[str, list[float]] = {"target": [], "draft": [], **{f"v{k}": [] for k in ks}}
     try:
         for rep in range(warmup + reps):

@@ -45,16 +45,19 @@ def step_time(model, n_prompt: int = 64, n_steps: int = 24, seed: int = 0, vocab
 def eagle_step_time(head, n_prompt: int = 64, n_steps: int = 24, seed: int = 0) -> float:
     """One chained EAGLE draft step (one entry through the head, its cache, the reduced-vocab
     logits), as the step loop runs it for a single row."""
-    from specdec.batch.cache import FlatBatchCache, RowPlan, kv_shape
     from specdec.batch.attention import NAME
+    from specdec.batch.blocks import blocks_for, run_of
+    from specdec.batch.cache import FlatBatchCache, RowPlan, kv_shape
 
     g = torch.Generator().manual_seed(seed)
     d = head.config.hidden_size
     head.config._attn_implementation = NAME
-    cache = FlatBatchCache(*kv_shape(head.config), n_prompt + n_steps + 2, dtype=head.fc.weight.dtype, device="cpu")
+    tokens = n_prompt + n_steps + 2
+    cache = FlatBatchCache(*kv_shape(head.config), blocks_for(tokens) + 1, dtype=head.fc.weight.dtype, device="cpu")
+    table = run_of(1, tokens)
 
     def run(keep: int, feats, ids):
-        position_ids, mask = cache.plan([RowPlan(1, keep, ids.shape[1])])
+        position_ids, mask = cache.plan([RowPlan(table, keep, ids.shape[1])])
         try:
             return head(feats, ids, position_ids, mask, cache)
         finally:

@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 
 from specdec import trees
+from specdec.batch.blocks import BLOCK
 from specdec.batch.verify import batched_probs
 from specdec.sampling import SamplingParams, make_generator
 
@@ -57,8 +58,8 @@ EMPTY_PROPOSAL = Proposal(tokens=[])
 @dataclass(frozen=True)
 class DraftRow:
     """One row to draft for: ``context`` is the sequence's full ids (its last token not yet
-    fed to the target), ``start`` / ``capacity`` its pool range (a drafter with a cache lays
-    it out like the target's). ``stop_below``: the row's chain stops once the product of the
+    fed to the target), ``blocks`` its block table (a drafter with a cache lays it out like
+    the target's: ``specdec.batch.blocks``). ``stop_below``: the row's chain stops once the product of the
     drafter's probabilities of its own tokens so far falls below it (0: draft all ``k``).
     ``nodes``: 0 for a chain of ``k``; else a token tree of at most ``nodes`` nodes and depth ``k``."""
 
@@ -67,10 +68,14 @@ class DraftRow:
     k: int
     params: SamplingParams
     seed: int
-    start: int = 0
-    capacity: int = 0
+    blocks: tuple[int, ...] = ()
     stop_below: float = 0.0
     nodes: int = 0
+
+    @property
+    def capacity(self) -> int:
+        """Tokens its blocks hold (0: no cache to fit)."""
+        return len(self.blocks) * BLOCK
 
 
 @dataclass

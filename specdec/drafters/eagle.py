@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.batch import attention
+from specdec.batch.blocks import slots
 from specdec.batch.cache import FlatBatchCache, RowPlan, kv_shape
 from specdec.batch.runner import BatchRow, BatchRunner, common_prefix_len
 from specdec import trees
@@ -45,8 +46,7 @@ class _Held:
     """What the head's cache holds for one sequence: ``tokens[i]`` = ``x_{i+1}`` of entry ``i``,
     every entry built on the target's true feature."""
 
-    start: int
-    capacity: int
+    blocks: tuple[int, ...]
     tokens: list[int] = field(default_factory=list)
 
 
@@ -61,7 +61,7 @@ class EagleDrafter:
         self.runner, self.head = runner, head.eval()
         head.config._attn_implementation = attention.NAME  # rows attend to their own entries
         self.dtype = head.fc.weight.dtype
-        self.cache = FlatBatchCache(*kv_shape(head.config), runner.capacity, dtype=self.dtype, device=runner.device)
+        self.cache = FlatBatchCache(*kv_shape(head.config), runner.num_blocks, dtype=self.dtype, device=runner.device)
         self._held: dict[str, _Held] = {}
 
     @torch.inference_mode()
@@ -70,7 +70,7 @@ class EagleDrafter:
         todo = [i for i, r in enumerate(rows) if r.k and len(r.context) >= 2]
         # The target must hold each row's context but its last token (it does after the
         # previous verify; after a restart the full model catches up first), so f_0..f_{n-2} exist.
-        behind = [BatchRow(rows[i].key, rows[i].context[:-1], 0, rows[i].start, rows[i].capacity) for i in todo
+        behind = [BatchRow(rows[i].key, rows[i].context[:-1], 0, rows[i].blocks) for i in todo
                   if runner.cached_ids(rows[i].key) != rows[i].context[:-1]]
         if behind:
             runner.forward(behind)
@@ -115,7 +115,7 @@ class EagleDrafter:
                 before = len(g.fed)
                 node_tokens, parents, new = grown.feed(live[j])
                 n = len(row.context)
-                plans.append(RowPlan(row.start, n - 1 + before, new, n - 1, parents))
+                plans.append(RowPlan(row.blocks, n - 1 + before, new, n - 1, parents))
                 tokens.extend(node_tokens[before:])
                 inputs.extend(predicted[j][g.parents[f]] for f in frontier)
                 fed.append((j, frontier))
@@ -129,8 +129,9 @@ class EagleDrafter:
 
     def _held_for(self, row: DraftRow) -> _Held:
         held = self._held.get(row.key)
-        if held is None or (held.start, held.capacity) != (row.start, row.capacity):
-            held = self._held[row.key] = _Held(row.start, row.capacity)  # new, or moved
+        if held is None or row.blocks[: len(held.blocks)] != held.blocks:
+            held = self._held[row.key] = _Held(row.blocks)  # new, or moved
+        held.blocks = row.blocks
         return held
 
     def _catch_up(self, rows: list[DraftRow]) -> torch.Tensor:
@@ -141,10 +142,10 @@ class EagleDrafter:
             held, n = self._held_for(r), len(r.context)
             keep = min(common_prefix_len(held.tokens, r.context[1:]), n - 2)  # entry n-2 always runs
             del held.tokens[keep:]
-            plans.append(RowPlan(r.start, keep, n - 1 - keep))
+            plans.append(RowPlan(r.blocks, keep, n - 1 - keep))
             tokens.extend(r.context[1 + keep:])
-            rows_at.extend(range(r.start + keep, r.start + n - 1))
-        features = self.runner.features[torch.tensor(rows_at, device=self.runner.device)][None]
+            rows_at.append(slots(r.blocks, keep, n - 1))
+        features = self.runner.features[torch.cat(rows_at).to(self.runner.device)][None]
         hidden = self._forward(plans, tokens, features)
         for r in rows:
             self._held[r.key].tokens = list(r.context[1:])
@@ -153,7 +154,7 @@ class EagleDrafter:
 
     def _chain(self, rows: list[DraftRow], drafted: list[list[int]], features: torch.Tensor) -> torch.Tensor:
         """2. One entry per row: (its predicted feature, its last draft); returns the next predictions."""
-        plans = [RowPlan(r.start, len(r.context) - 2 + len(d), 1) for r, d in zip(rows, drafted)]
+        plans = [RowPlan(r.blocks, len(r.context) - 2 + len(d), 1) for r, d in zip(rows, drafted)]
         return self._forward(plans, [d[-1] for d in drafted], features[None])
 
     def _forward(self, plans: list[RowPlan], tokens: list[int], features: torch.Tensor) -> torch.Tensor:

@@ -84,7 +84,7 @@ class ShallowStack:
         """One token per row through the shallow layers, on a ``BatchRunner``'s pool: row i
         feeds ``feeds[i]`` at ``positions[i]`` (what the runner holds for it stays as it is).
         Returns the hidden states [rows, d]."""
-        plans = [RowPlan(runner.start_of(key), pos, 1) for key, pos in zip(keys, positions)]
+        plans = [RowPlan(runner.blocks_of(key), pos, 1) for key, pos in zip(keys, positions)]
         input_ids = torch.tensor([feeds], dtype=torch.long, device=runner.device)
         position_ids, mask = runner.cache.plan(plans)
         try:
@@ -146,7 +146,7 @@ class EarlyExitDrafter:
         runner = self.runner
         # 1. align: the target's cache must hold each row's context but its last token (it does
         # after the previous verify; after a restart the full model catches up first).
-        behind = [BatchRow(r.key, r.context[:-1], 0, r.start, r.capacity) for r in rows
+        behind = [BatchRow(r.key, r.context[:-1], 0, r.blocks) for r in rows
                   if r.k and runner.cached_ids(r.key) != r.context[:-1]]
         if behind:
             runner.forward(behind)

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 
 import torch
 
+from specdec.batch.blocks import slot
 from specdec.batch.runner import BatchRow, BatchRunner
 from specdec.drafters.base import EMPTY_PROPOSAL, Drafted, DraftRow, Proposal
 from specdec.models.medusa import MedusaHeads
@@ -117,14 +118,14 @@ class MedusaDrafter:
             return Drafted(proposals, time.perf_counter() - began, 0)
         # The target must hold each row's context but its last token (it does after the previous
         # verify; after a restart the full model catches up first), so f_{n-2} exists.
-        behind = [BatchRow(rows[i].key, rows[i].context[:-1], 0, rows[i].start, rows[i].capacity) for i in todo
+        behind = [BatchRow(rows[i].key, rows[i].context[:-1], 0, rows[i].blocks) for i in todo
                   if runner.cached_ids(rows[i].key) != rows[i].context[:-1]]
         if behind:
             runner.forward(behind)
         depth = min(self.heads.num_heads, max(rows[i].k for i in todo))
         width = min(self.width, len(self.heads.token_ids))
         with runner.lock:
-            at = torch.tensor([rows[i].start + len(rows[i].context) - 2 for i in todo], device=runner.device)
+            at = torch.tensor([slot(rows[i].blocks, len(rows[i].context) - 2) for i in todo], device=runner.device)
             features = runner.features[at]  # [R, d] the last fed position of each row
         logits = self.heads.reduced_logits(features)[:, :depth].float()  # [R, K, H] one batched pass
         top_logp, top_j = torch.log_softmax(logits, -1).topk(width, -1)  # [R, K, w]

@@ -31,12 +31,11 @@ class ModelDrafter:
             live, branching = chains.live(), grown.live()
             if not (live or branching):
                 break
-            batch = [BatchRow(rows[i].key, rows[i].context + chains.tokens[i], 1, rows[i].start, rows[i].capacity)
+            batch = [BatchRow(rows[i].key, rows[i].context + chains.tokens[i], 1, rows[i].blocks)
                      for i in live]
             for i in branching:
                 tokens, parents, new = grown.feed(i)
-                batch.append(BatchRow(rows[i].key, rows[i].context + tokens, new, rows[i].start, rows[i].capacity,
-                                      parents))
+                batch.append(BatchRow(rows[i].key, rows[i].context + tokens, new, rows[i].blocks, parents))
             logits = torch.cat(self.runner.forward(batch))  # [len(live) + frontier nodes, V]
             passes += 1
             if live:

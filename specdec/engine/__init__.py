@@ -99,19 +99,21 @@ class Engine:
 
     @classmethod
     def load(cls, models: ModelConfig, speculation: SpeculationConfig | None = None, *,
-             kv_cache_tokens: int | None = None, max_num_seqs: int = 16, step_tokens: int = 512) -> "Engine":
+             kv_cache_tokens: int | None = None, max_num_seqs: int = 16, step_tokens: int = 512,
+             prefix_caching: bool = True) -> "Engine":
         """Both models in this process."""
         speculation = speculation or SpeculationConfig()
         tokenizer = target_tokenizer(models)
         target, draft, eos = compute.run(local_parts, models, speculation, tokenizer, kv_cache_tokens)
         return cls.from_parts(tokenizer, target, draft, models, eos_token_ids=eos,
                               capacity_tokens=target.runner.capacity, max_length=target.max_length,
-                              speculation=speculation, max_num_seqs=max_num_seqs, step_tokens=step_tokens)
+                              speculation=speculation, max_num_seqs=max_num_seqs, step_tokens=step_tokens,
+                              prefix_caching=prefix_caching)
 
     @classmethod
     def from_parts(cls, tokenizer, target, draft, models: ModelConfig, *, eos_token_ids: frozenset[int],
                    capacity_tokens: int, max_length: int | None, speculation: SpeculationConfig,
-                   max_num_seqs: int = 16, step_tokens: int = 512) -> "Engine":
+                   max_num_seqs: int = 16, step_tokens: int = 512, prefix_caching: bool = True) -> "Engine":
         """The one builder: a step loop over a target side and a draft side, local (a
         ``TargetStep``, a ``LocalDraft``) or worker actors behind the same two methods; the
         drafters that run in the loop itself are built here."""
@@ -119,7 +121,8 @@ class Engine:
                         capacity_tokens=capacity_tokens, max_num_seqs=max_num_seqs, step_tokens=step_tokens,
                         loop_drafters=build_drafters("loop", models, speculation, None, capacity_tokens),
                         default_k=speculation.num_speculative_tokens, max_length=max_length,
-                        tree_width=speculation.tree_width, fixed_chunks=models.numerics == "batch_invariant")
+                        tree_width=speculation.tree_width, fixed_chunks=models.numerics == "batch_invariant",
+                        prefix_caching=prefix_caching)
         return cls(tokenizer, loop, speculation=speculation)
 
     @property

@@ -18,6 +18,7 @@ class RoundEvent:
     finish_reason: str | None = None  # "stop" / "length" on the last event
     policy_summary: dict | None = None  # the speculation controller's summary, on the last event
     queued_s: float | None = None  # on the first event: from submit to admission into the batch
+    cached_tokens: int | None = None  # on the first event: prompt tokens whose KV came from the prefix cache
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,12 @@
 """The unit's step loop: one thread runs every request, one batched step at a time.
 
-    admit   : waiting requests get a pool range (prompt + max_tokens + k_max + 1 tokens) while
-              the token budget and ``max_num_seqs`` allow; a request that does not fit waits
+    admit   : waiting requests get KV blocks for their prompt (``specdec.batch.blocks``: the
+              full blocks of a prompt prefix another request filled are shared, not prefilled
+              again) while blocks and ``max_num_seqs`` allow; one that does not fit yet waits
+              without holding back those behind it
+    grow    : every running request gets the blocks its next tokens (and drafts) need; when
+              none are left the newest request is preempted (its blocks freed, recomputed later
+              from its tokens so far) rather than the step failing
     plan    : one ``StepPlan``: prompt chunks under the per-step token budget; decode rows,
               each with its mode and k (its policy's choice, trimmed by the goodput rule for
               the whole step); drafters that run in the loop (prompt lookup) draft here
@@ -14,7 +19,8 @@ Requests see none of this: ``submit`` returns a ``Handle`` that yields typed eve
 (``specdec.engine.events``), to a thread or to an asyncio task. A cancelled handle leaves the
 batch at the next step and frees its range. Cache keys are made here, never taken from a
 client. Every request's randomness comes from ``round_seed`` (request seed, round, role), so
-it does not depend on what it is batched with.
+it does not depend on what it is batched with (a preempted seeded request that speculates may
+cut its rounds elsewhere when it resumes: the same distribution, other samples).
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec import compute
-from specdec.batch.cache import RangeAllocator
+from specdec.batch.blocks import BLOCK, BlockPool, blocks_for, prefix_hashes
 from specdec.drafters import DRAFTERS
 from specdec.drafters.base import EMPTY_PROPOSAL, BatchDrafter
 from specdec.engine.events import ErrorEvent, RoundEvent
@@ -140,9 +146,13 @@ class _Live:
     seed: int
     policy: SpeculationPolicy | None
     text: TextStream
-    start: int = 0
-    capacity: int = 0
-    prefilled: int = 0  # prompt tokens already in the target's cache (chunked prefill)
+    blocks: list[int] = field(default_factory=list)  # its block table, while admitted
+    named: list[bytes] = field(default_factory=list)  # prefix hashes of its first full blocks
+    registered: int = 0  # of its blocks, how many the pool may share (named, filled)
+    prefill: list[int] = field(default_factory=list)  # what it prefills: its prompt, or all its ids after a preemption
+    prefilled: int = 0  # of those, tokens already in the target's cache (chunked prefill, prefix hits)
+    cached_tokens: int | None = None  # prompt tokens its first admission found in the prefix cache
+    preemptions: int = 0
     out: list[int] = field(default_factory=list)
     rounds: list[RoundStats] = field(default_factory=list)
     draft_retry_at: int = 0
@@ -152,9 +162,16 @@ class _Live:
     expected: list[int] | None = None  # a quality replay: the tokens the request it replays emitted
     replayed: GenerationRequest | None = None  # ... and that request
 
+    def __post_init__(self) -> None:
+        self.prefill = self.prefill or self.req.prompt_ids
+
     @property
     def key(self) -> str:
         return self.handle.key
+
+    @property
+    def capacity(self) -> int:
+        return len(self.blocks) * BLOCK
 
     @property
     def ids(self) -> list[int]:
@@ -162,7 +179,7 @@ class _Live:
 
     @property
     def decoding(self) -> bool:
-        return bool(self.rounds) or self.prefilled >= len(self.req.prompt_ids)
+        return self.prefilled >= len(self.prefill)
 
 
 class StepLoop:
@@ -179,17 +196,19 @@ class StepLoop:
                  policy: Callable[[], PolicyConfig] = PolicyConfig,
                  loop_drafters: dict[str, BatchDrafter] | None = None,
                  default_k: int = 4, max_length: int | None = None, tree_width: int = 4,
-                 fixed_chunks: bool = False):
+                 fixed_chunks: bool = False, prefix_caching: bool = True):
         self.target, self.draft, self.modes = target, draft, list(modes)
         self.loop_drafters = dict(loop_drafters or {})
         self.tokenizer, self.eos_token_ids = tokenizer, eos_token_ids
-        self.allocator = RangeAllocator(capacity_tokens)
+        self.blocks = BlockPool(capacity_tokens // BLOCK + 1, caching=prefix_caching)  # the runners' pools' size
         self.max_num_seqs, self.step_tokens = max_num_seqs, step_tokens
         self.policy_config, self.default_k, self.tree_width = policy, default_k, tree_width
         self.max_length = max_length
         # Batch-invariant numerics: a prompt is prefilled in chunks of this many tokens at fixed
         # places (what its KV holds then depends on the prompt alone); one always fits a step.
-        self.chunk = max(16, step_tokens - max_num_seqs) if fixed_chunks else None
+        # Whole blocks, so a prefix hit ends where a chunk would have.
+        self.chunk = max(1, (step_tokens - max_num_seqs) // BLOCK) * BLOCK if fixed_chunks else None
+        self.preempted = 0  # requests preempted (blocks ran out), since the start
         self.costs = StepCosts()
         self.guard = GoodputGuard()
         self.timings: deque[StepTiming] = deque(maxlen=4096)  # the last steps, for measurements
@@ -206,16 +225,17 @@ class StepLoop:
         self._thread: threading.Thread | None = None
         self._closed = False
         self.steps = 0
+        self.peak_running = 0  # the most requests admitted at once
 
     # --- the outside ----------------------------------------------------------------------
 
     def check_fits(self, req: GenerationRequest) -> None:
         """Refuse a request that could never be admitted (it would wait forever)."""
         need = self._need(req)
-        if need > self.allocator.capacity:
+        if blocks_for(need) * BLOCK > self.blocks.capacity_tokens:
             raise ValueError(
                 f"the request needs {need} KV cache tokens (prompt + max_tokens + drafts); "
-                f"this unit holds {self.allocator.capacity}"
+                f"this unit holds {self.blocks.capacity_tokens}"
             )
 
     def submit(self, req: GenerationRequest, *, loop: asyncio.AbstractEventLoop | None = None) -> Handle:
@@ -243,8 +263,9 @@ class StepLoop:
         (None when the models are in worker actors)."""
         return {"running": len(self._running), "waiting": len(self._waiting), "steps": self.steps,
                 "replays": len(self._replays) + sum(1 for lv in self._running if lv.expected is not None),
-                "free_tokens": self.allocator.free_tokens, "capacity_tokens": self.allocator.capacity,
-                "orphans": self._orphans()}
+                "free_tokens": self.blocks.free_blocks * BLOCK, "capacity_tokens": self.blocks.capacity_tokens,
+                "cached_tokens": self.blocks.cached_blocks * BLOCK, "prefix_hit_tokens": self.blocks.hit_blocks * BLOCK,
+                "preempted": self.preempted, "peak_running": self.peak_running, "orphans": self._orphans()}
 
     def _orphans(self) -> int | None:
         runners = {"target": getattr(self.target, "runner", None),
@@ -288,9 +309,13 @@ class StepLoop:
                 compute.run(self._isolate)
 
     def _need(self, req: GenerationRequest) -> int:
+        """The most KV tokens ``req`` can ever hold (its longest answer, and drafts past it)."""
+        return len(req.prompt_ids) + req.max_tokens + self._lookahead(req)
+
+    def _lookahead(self, req: GenerationRequest) -> int:
+        """Tokens past its ids a request's next step may write: its pending token's slack, drafts."""
         cfg = self.policy_config()
-        drafts = max(cfg.k_max, cfg.tree_nodes) if req.mode != "off" else 0
-        return len(req.prompt_ids) + req.max_tokens + drafts + 1
+        return (max(cfg.k_max, cfg.tree_nodes) if req.mode != "off" else 0) + 1
 
     def _new_policy(self, req: GenerationRequest) -> SpeculationPolicy | None:
         if req.mode == "off":
@@ -315,6 +340,7 @@ class StepLoop:
         self._admit()
         for live in [lv for lv in self._running if lv.handle.cancelled.is_set()]:
             self._finish(live, cancelled=True)
+        self._grow()
         if self._running:
             self._step(list(self._running))
         elif self._scores and not self._waiting:  # spare capacity: check a sampled answer's distribution
@@ -333,7 +359,7 @@ class StepLoop:
         self.steps += 1
         started_at, began = time.time(), time.perf_counter()
         by_key = {lv.key: lv for lv in lives}
-        decoding = all(lv.rounds for lv in lives)  # no prompt in this step: its goodput compares
+        decoding = all(lv.decoding for lv in lives)  # no prompt in this step: its goodput compares
         plan = self._plan(lives)
         plan, here = self._draft_in_loop(plan)
         planned = time.perf_counter()
@@ -344,6 +370,8 @@ class StepLoop:
             by_key[key].draft_retry_at = len(by_key[key].rounds) + DRAFT_RETRY_ROUNDS
         costs = {**here.costs, **result.draft_costs}
         self._observe_costs(plan, result, costs)
+        for row in plan.rows:  # what the target now holds, shared with later prompts (before any leaves)
+            self._name_blocks(by_key[row.key], row.context)
         emitting = [r for r in plan.rows if r.emits]
         emitted = 0
         for row, verdict, confidence in zip(emitting, result.verdicts, result.confidence):
@@ -372,19 +400,78 @@ class StepLoop:
                 self._admit_from(self._replays)  # spare capacity only
 
     def _admit_from(self, queue: deque) -> None:
+        """Oldest first, each request that fits now; one that does not waits without holding back
+        smaller ones behind it. Blocks for one more each are kept free for the running requests'
+        next tokens, so admitting does not preempt at once."""
+        waiting = []
         while queue and len(self._running) < self.max_num_seqs:
-            live = queue[0]
+            live = queue.popleft()
             if live.handle.cancelled.is_set():
-                queue.popleft()
                 continue
-            need = self._need(live.req)
-            start = self.allocator.allocate(need)
-            if start is None:
-                break  # wait for room: requests leave the unit in order of arrival
-            queue.popleft()
-            live.start, live.capacity = start, need
+            if not self._place(live):
+                waiting.append(live)
+        queue.extendleft(reversed(waiting))
+
+    def _place(self, live: _Live) -> bool:
+        """Blocks for ``live``'s prefill (a shared prefix's from the cache) and its first step."""
+        ids = live.prefill
+        # The last token is always fed (its logits are the first output), so it is never a hit.
+        live.named = prefix_hashes(ids[: len(ids) - 1], start=live.named[: (len(ids) - 1) // BLOCK])
+        # Fixed chunks (batch-invariant numerics): a hit ends where a chunk does, so what follows
+        # is prefilled in the chunks a whole prefill would cut.
+        hits = self.blocks.match(live.named, multiple=self.chunk // BLOCK if self.chunk else 1)
+        need = blocks_for(len(ids) + self._lookahead(live.req)) - len(hits)
+        fresh = self.blocks.allocate(need) if need + len(self._running) <= self.blocks.free_blocks else None
+        if fresh is None:
+            self.blocks.release(hits)
+            return False
+        live.blocks, live.registered, live.prefilled = hits + fresh, len(hits), len(hits) * BLOCK
+        if live.cached_tokens is None:
+            live.cached_tokens = live.prefilled
             live.queued_s = time.perf_counter() - live.submitted
-            self._running.append(live)
+        self._running.append(live)
+        self.peak_running = max(self.peak_running, len(self._running))
+        return True
+
+    def _grow(self) -> None:
+        """Every running request's blocks for its next step (oldest first); when the pool runs
+        out, the newest request is preempted until the rest fit."""
+        for live in list(self._running):
+            if live not in self._running:
+                continue  # preempted for an older one
+            want = blocks_for(len(live.ids) + self._lookahead(live.req)) - len(live.blocks)
+            while want > 0:
+                more = self.blocks.allocate(want)
+                if more is not None:
+                    live.blocks.extend(more)
+                    break
+                newest = self._running[-1]
+                self._preempt(newest)
+                if newest is live:
+                    break
+
+    def _preempt(self, live: _Live) -> None:
+        """Free ``live``'s blocks; it waits at the head of its queue to prefill all its ids again
+        (its filled blocks stay in the prefix cache, so what survives is not recomputed)."""
+        log.info("KV blocks ran out: request %s is preempted (%d tokens so far)", live.req.tag or live.key,
+                 len(live.ids))
+        self._running.remove(live)
+        self.blocks.release(live.blocks)
+        self._release += [("target", live.key), ("draft", live.key)]
+        live.blocks, live.registered, live.prefill, live.prefilled = [], 0, live.ids, 0
+        live.preemptions += 1
+        self.preempted += 1
+        (self._replays if live.expected is not None else self._waiting).appendleft(live)
+
+    def _name_blocks(self, live: _Live, context: list[int]) -> None:
+        """The target holds ``context``: its full blocks may be shared from now on."""
+        full = min(len(context) // BLOCK, len(live.blocks))
+        if full <= live.registered:
+            return
+        live.named = prefix_hashes(context[: full * BLOCK], start=live.named[:full])
+        for j in range(live.registered, full):
+            self.blocks.register(live.blocks[j], live.named[j])
+        live.registered = full
 
     # --- plan ---------------------------------------------------------------------------------
 
@@ -394,20 +481,20 @@ class StepLoop:
         budget = max(1, self.step_tokens - len(decode))
         rows, other = [], 0
         for live in (lv for lv in lives if not lv.decoding):
-            rest = len(live.req.prompt_ids) - live.prefilled
+            rest = len(live.prefill) - live.prefilled
             if self.chunk is not None:  # fixed chunks: the next whole one, or wait for a step with room
                 take = min(rest, self.chunk)
                 if take > budget:
                     continue
                 if take < rest:
-                    rows.append(self._row(live, emits=False, context=live.req.prompt_ids[: live.prefilled + take]))
+                    rows.append(self._row(live, emits=False, context=live.prefill[: live.prefilled + take]))
                     budget, other = budget - take, other + take
                     continue
             if rest <= budget:  # a prompt that fits finishes its prefill as an emitting row
                 rows.append(self._row(live, emits=True))
                 budget, other = budget - rest, other + rest
             elif budget > 0:
-                rows.append(self._row(live, emits=False, context=live.req.prompt_ids[: live.prefilled + budget]))
+                rows.append(self._row(live, emits=False, context=live.prefill[: live.prefilled + budget]))
                 other += budget
                 budget = 0
         cfg = self.policy_config()
@@ -428,7 +515,7 @@ class StepLoop:
         nodes = 0
         if k and DRAFTERS[mode].trees:  # the tree's budget; the range holds max(k_max, tree_nodes) + 1 more
             nodes = max(0, min(self.policy_config().tree_nodes, live.capacity - len(context) - 1))
-        return Row(live.key, context, live.start, live.capacity, emits, mode=mode, k=k, stop_below=stop_below,
+        return Row(live.key, context, tuple(live.blocks), emits, mode=mode, k=k, stop_below=stop_below,
                    nodes=nodes, params=live.req.params, target_seed=round_seed(live.seed, index, TARGET),
                    draft_seed=round_seed(live.seed, index, DRAFT), **self._suppressed(live))
 
@@ -521,15 +608,16 @@ class StepLoop:
             started_at=started_at, draft_error=draft_error, events=events, confidence=confidence,
         )
         live.rounds.append(stats)
-        if index == 0:
-            live.prefilled = len(live.req.prompt_ids)
+        live.prefilled = len(live.prefill)  # an emitting row has its whole prefill behind it
         delta, kept = live.text.add(tokens)
         if live.text.stopped:
             finish = "stop"
         if finish:
             delta += live.text.finish()
         summary = (live.policy.summary() if live.policy else {}) if finish else None
-        live.handle.put(RoundEvent(delta, kept, stats, finish, summary, live.queued_s if index == 0 else None))
+        first = index == 0
+        live.handle.put(RoundEvent(delta, kept, stats, finish, summary, live.queued_s if first else None,
+                                   live.cached_tokens if first else None))
         if finish:
             self._finish(live)
         return len(tokens)
@@ -537,7 +625,8 @@ class StepLoop:
     def _finish(self, live: _Live, *, cancelled: bool = False, error: str | None = None) -> None:
         if live in self._running:
             self._running.remove(live)
-            self.allocator.free(live.start, live.capacity)
+            self.blocks.release(live.blocks)
+            live.blocks = []
             self._release += [("target", live.key), ("draft", live.key)]
         if error is not None:
             live.handle.put(ErrorEvent(error))

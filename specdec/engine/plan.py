@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specdec.batch.blocks import BLOCK
 from specdec.drafters.base import EMPTY_PROPOSAL, Proposal
 from specdec.sampling import SamplingParams
 
@@ -63,8 +64,7 @@ class Row:
 
     key: str  # the loop's cache key (never a client's)
     context: list[int]  # [n] ids the target holds after the step, before drafts: prompt (or a chunk) + output
-    start: int  # first pool row of the sequence's range
-    capacity: int  # pool rows in that range
+    blocks: tuple[int, ...]  # the sequence's block table (``specdec.batch.blocks``), grown for this step
     emits: bool = True  # False: a prompt chunk; no logits, no token this step
     mode: str = "off"  # "off" or a drafter's name (``specdec.drafters.DRAFTERS``)
     k: int = 0  # drafts to propose at most; 0 for plain rows and chunks
@@ -76,6 +76,11 @@ class Row:
     proposal: Proposal = EMPTY_PROPOSAL  # drafts made while planning (drafters that run in the loop)
     suppress: tuple[int, ...] = ()  # min_tokens: ids the target may not emit ...
     suppress_for: int = 0  # ... at this round's first positions
+
+    @property
+    def capacity(self) -> int:
+        """Tokens its blocks hold."""
+        return len(self.blocks) * BLOCK
 
     @property
     def speculates(self) -> bool:

@@ -44,7 +44,7 @@ class StepResult:
 
 
 def draft_rows(rows: list[Row]) -> list[DraftRow]:
-    return [DraftRow(r.key, r.context, r.k, r.params, r.draft_seed, r.start, r.capacity, r.stop_below, r.nodes)
+    return [DraftRow(r.key, r.context, r.k, r.params, r.draft_seed, r.blocks, r.stop_below, r.nodes)
             for r in rows]
 
 
@@ -100,9 +100,9 @@ class TargetStep:
         proposals = self._proposals(plan, external, result)
         emitting = [r for r in plan.rows if r.emits]
         # 2. one pass: every row's missing tokens, and each emitting row's pending token + drafts
-        batch = [BatchRow(r.key, r.context + proposals[r.key].tokens, len(proposals[r.key]) + 1, r.start, r.capacity,
+        batch = [BatchRow(r.key, r.context + proposals[r.key].tokens, len(proposals[r.key]) + 1, r.blocks,
                           proposals[r.key].parents)
-                 if r.emits else BatchRow(r.key, r.context, 0, r.start, r.capacity) for r in plan.rows]
+                 if r.emits else BatchRow(r.key, r.context, 0, r.blocks) for r in plan.rows]
         t0 = time.perf_counter()
         logits = self.runner.forward(batch, on_device=True)  # verified where they are: tokens come back
         result.verify_s = time.perf_counter() - t0

@@ -1,0 +1,260 @@
+"""Paged KV and prefix caching: blocks as sequences grow, shared prompt prefixes, preemption.
+
+Exactness in fp32 on the tiny Llama pair: a prompt whose first blocks come from the prefix
+cache gets the logits a fresh prefill gives; requests sharing a system prompt (one after
+another and at once, chains and trees) get plain decoding's tokens; a pool too small for
+its requests preempts and recomputes them, token-identical; a pool smaller than the working
+set evicts cached blocks and still answers every request exactly.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from specdec.batch.blocks import BLOCK, BlockPool, prefix_hashes, run_of
+from specdec.batch.runner import BatchRow, BatchRunner
+from specdec.bench.tiny import synthetic_corpus
+from specdec.config import ModelConfig
+from specdec.engine import Engine
+from specdec.loading import load_model
+
+PROMPTS = [" ".join(p.split()[:6]) for p in synthetic_corpus(n_sentences=16, seed=5)]
+
+
+# --- the block pool ------------------------------------------------------------------------
+
+
+def test_blocks_are_allocated_referenced_and_evicted_least_recently_used_first():
+    pool = BlockPool(7)  # blocks 1..6
+    a = pool.allocate(3)
+    assert len(set(a)) == 3 and 0 not in a and pool.free_blocks == 3
+    assert pool.allocate(4) is None and pool.free_blocks == 3  # nothing taken by a failed allocation
+    names = prefix_hashes(list(range(3 * BLOCK)))
+    for block, name in zip(a, names):
+        pool.register(block, name)
+    b = pool.match(names[:2])
+    assert b == a[:2] and pool.refs(a[0]) == 2 and pool.hit_blocks == 2
+    pool.release(a)  # a leaves: its blocks stay cached (b still holds two of them)
+    assert pool.refs(a[0]) == 1 and pool.cached_blocks == 1 and pool.free_blocks == 4
+    pool.release(b)
+    assert pool.cached_blocks == 3 and pool.free_blocks == 6
+    # Free blocks go first; then cached ones, the tail of a prefix before its head.
+    c = pool.allocate(4)
+    assert a[2] in c and a[0] not in c and a[1] not in c and pool.evicted == 1
+    assert pool.match(names) == [a[0], a[1]]  # the head survived; the evicted tail is a miss
+    assert pool.allocate(1) is None  # 4 in use, 2 referenced by the match: nothing left
+
+
+def test_a_prefix_is_named_by_every_token_before_it():
+    ids = list(range(5 * BLOCK))
+    names = prefix_hashes(ids)
+    assert len(names) == 5 and len(set(names)) == 5
+    other = ids[:]
+    other[BLOCK + 3] = 999  # block 1 differs: blocks 1.. are named differently, block 0 the same
+    changed = prefix_hashes(other)
+    assert changed[0] == names[0] and all(x != y for x, y in zip(changed[1:], names[1:]))
+    assert prefix_hashes(ids, start=names[:2]) == names  # continued from known names
+    assert prefix_hashes(ids[: BLOCK - 1]) == []  # only full blocks have names
+
+
+def test_a_pool_without_caching_shares_nothing():
+    pool = BlockPool(4, caching=False)
+    a = pool.allocate(2)
+    names = prefix_hashes(list(range(2 * BLOCK)))
+    pool.register(a[0], names[0])
+    assert pool.match(names) == []
+    pool.release(a)
+    assert pool.free_blocks == 3 and pool.cached_blocks == 0
+
+
+# --- a runner on shared blocks -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model(llama_pair):
+    return load_model(str(llama_pair["target"]), "float32")
+
+
+def full_logits(model, ids):
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([ids])).logits[0].float()
+
+
+def test_a_prefix_cached_prefill_gives_a_fresh_prefills_logits(model):
+    """Sequence b's first two blocks are sequence a's (the same 32-token prefix): b feeds only
+    its own tokens, and every logit of its prefill equals a fresh prefill's; a runner whose
+    pool never filled those blocks (a restarted worker) feeds b whole."""
+    gen = torch.Generator().manual_seed(1)
+    prefix = torch.randint(0, 300, (2 * BLOCK,), generator=gen).tolist()
+    a = prefix + torch.randint(0, 300, (7,), generator=gen).tolist()
+    b = prefix + torch.randint(0, 300, (11,), generator=gen).tolist()
+    runner = BatchRunner(model, capacity_tokens=16 * BLOCK)
+    table_a = run_of(1, len(a) + 1)
+    runner.forward([BatchRow("a", a, 1, table_a)])
+    table_b = table_a[:2] + run_of(10, len(b) - 2 * BLOCK + 1)  # shares a's first two blocks
+    got = runner.forward([BatchRow("b", b, len(b) - 2 * BLOCK, table_b)])[0]
+    assert runner.last_fed == len(b) - 2 * BLOCK and runner.cached_ids("b") == b
+    fresh = BatchRunner(model, capacity_tokens=16 * BLOCK)
+    want = fresh.forward([BatchRow("b", b, len(b) - 2 * BLOCK, run_of(1, len(b) + 1))])[0]
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got, full_logits(model, b)[2 * BLOCK:], rtol=1e-4, atol=1e-4)
+    # a goes on (decodes past its blocks) while b reads them: both stay exact
+    outs = runner.forward([BatchRow("a", a + [5], 1, table_a), BatchRow("b", b + [6], 1, table_b)])
+    torch.testing.assert_close(outs[0][0], full_logits(model, a + [5])[-1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(outs[1][0], full_logits(model, b + [6])[-1], rtol=1e-4, atol=1e-4)
+    # the same table on a pool that never held the prefix: nothing is trusted, b is fed whole
+    fresh.release("b")
+    other = BatchRunner(model, capacity_tokens=16 * BLOCK)
+    other.forward([BatchRow("b", b, 1, table_b)])
+    assert other.last_fed == len(b)
+
+
+def test_a_block_written_again_is_no_longer_trusted(model):
+    """A pool forgets what a block held as soon as anything writes it (here: the block is
+    handed to another sequence, which fills it with other tokens)."""
+    ids = list(range(3, 3 + 2 * BLOCK + 4))
+    runner = BatchRunner(model, capacity_tokens=8 * BLOCK)
+    runner.forward([BatchRow("a", ids, 1, run_of(1, len(ids)))])
+    runner.release("a")
+    runner.forward([BatchRow("c", [9] * (BLOCK + 2), 1, (1, 2))])  # block 1 now holds c's tokens
+    runner.forward([BatchRow("b", ids + [7], 1, run_of(1, len(ids) + 1))])
+    assert runner.last_fed == len(ids) + 1  # block 1 is c's now: b trusts nothing after it
+
+
+# --- the step loop -------------------------------------------------------------------------
+
+SYSTEM = " ".join(synthetic_corpus(n_sentences=10, seed=11))  # a shared system prompt, several blocks
+
+
+def _engine(pair, **kw):
+    spec = {"numerics": "fast", **kw.pop("models", {})}
+    return Engine.load(ModelConfig(target=str(pair["target"]), draft=str(pair["draft"]), dtype="float32",
+                                   early_exit_layer=2, **spec), **kw)
+
+
+@pytest.fixture(scope="module")
+def engine(llama_pair):
+    return _engine(llama_pair, kv_cache_tokens=4096, max_num_seqs=8)
+
+
+@pytest.fixture(scope="module")
+def plain(llama_pair):
+    """The reference: the same models, no prefix cache."""
+    return _engine(llama_pair, kv_cache_tokens=4096, max_num_seqs=8, prefix_caching=False)
+
+
+def _greedy(engine, ids, n=16, mode="off", k=None):
+    return engine.generate(ids, max_tokens=n, mode=mode, k=k, ignore_eos=True)
+
+
+def test_a_shared_system_prompt_is_prefilled_once_and_answers_are_unchanged(engine, plain):
+    """Requests with one system prompt and their own questions, one after another and then at
+    once, chains and trees: every answer is plain decoding's without a prefix cache; all but
+    the first take the system prompt's blocks from the cache, and say so."""
+    ids = [engine.encode(prompt=SYSTEM + " " + q) for q in PROMPTS[:6]]
+    assert len(engine.encode(prompt=SYSTEM)) >= 4 * BLOCK
+    want = [_greedy(plain, i).token_ids for i in ids]
+    hits_before = engine.loop.usage()["prefix_hit_tokens"]
+    first = _greedy(engine, ids[0])
+    assert first.token_ids == want[0]
+    cached = []
+    for i in range(1, 3):  # in sequence
+        handle = engine.loop.submit(engine.request(ids[i], max_tokens=16, mode="off", ignore_eos=True))
+        events = list(handle)
+        cached.append(events[0].cached_tokens)
+        assert [t for e in events for t in e.token_ids] == want[i]
+    assert all(c >= 4 * BLOCK and c % BLOCK == 0 for c in cached)
+    modes = [("draft", 3), ("ngram", 2), ("draft_tree", 3), ("early_exit", 2)]
+    results = {}
+
+    def run(j):
+        mode, k = modes[j]
+        results[j] = _greedy(engine, ids[2 + j] if j else ids[1], mode=mode, k=k)
+
+    threads = [threading.Thread(target=run, args=(j,)) for j in range(len(modes))]
+    [t.start() for t in threads]
+    [t.join(timeout=120) for t in threads]
+    for j in range(len(modes)):
+        assert results[j].token_ids == want[2 + j if j else 1], modes[j]
+    assert sum(r.speculation.drafted_tokens for r in results.values()) > 0
+    usage = engine.loop.usage()
+    assert usage["prefix_hit_tokens"] - hits_before >= 6 * 4 * BLOCK
+    assert usage["running"] == 0 and usage["free_tokens"] == usage["capacity_tokens"]
+
+
+def test_requests_with_large_max_tokens_and_short_answers_run_at_once(llama_pair):
+    """Blocks are taken as answers grow: eight requests that may each write 480 tokens, in a
+    pool of 512, all run at once (a reservation of prompt + max_tokens would hold one)."""
+    engine = _engine(llama_pair, kv_cache_tokens=512, max_num_seqs=8)
+    ids = [engine.encode(prompt=p) for p in PROMPTS[:8]]
+    solo = [_greedy(engine, i, n=12).token_ids for i in ids]
+    engine.loop.peak_running = 0
+    results = {}
+    barrier = threading.Barrier(8)
+
+    def run(i):
+        barrier.wait()
+        # stop at the solo answer's 10th token: a short answer, however long it may be
+        results[i] = engine.generate(ids[i], max_tokens=480, mode="off", ignore_eos=True,
+                                     stop_token_ids=[solo[i][9]])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    [t.start() for t in threads]
+    [t.join(timeout=120) for t in threads]
+    for i in range(8):
+        end = solo[i].index(solo[i][9]) + 1
+        assert results[i].token_ids == solo[i][:end]
+    assert engine.loop.peak_running == 8 and engine.loop.preempted == 0
+
+
+def test_a_pool_too_small_preempts_and_recomputes_token_for_token(llama_pair):
+    """Six requests of 60 output tokens in a pool of 12 blocks: they cannot all grow, so the
+    newest are preempted (blocks freed) and resume by prefilling their tokens so far; each
+    answer equals its plain decoding alone, in chains too."""
+    ref = _engine(llama_pair, kv_cache_tokens=4096)
+    engine = _engine(llama_pair, kv_cache_tokens=12 * BLOCK, max_num_seqs=6)
+    ids = [engine.encode(prompt=p) for p in PROMPTS[8:14]]
+    want = [_greedy(ref, i, n=60).token_ids for i in ids]
+    modes = [("off", None), ("draft", 3), ("off", None), ("ngram", 2), ("draft", 2), ("off", None)]
+    results = {}
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, _greedy(engine, ids[i], 60, *modes[i])))
+               for i in range(6)]
+    [t.start() for t in threads]
+    [t.join(timeout=180) for t in threads]
+    for i in range(6):
+        assert results[i].token_ids == want[i], modes[i]
+    usage = engine.loop.usage()
+    assert usage["preempted"] > 0 and usage["running"] == 0 and usage["free_tokens"] == usage["capacity_tokens"]
+
+
+def test_a_pool_smaller_than_the_working_set_evicts_and_stays_exact(llama_pair):
+    """Prompts that share a prefix two by two, more of them than the pool can keep cached:
+    cached blocks are evicted (least recently used first) and every answer is still exact;
+    a prefix asked for again after its eviction is prefilled again."""
+    ref = _engine(llama_pair, kv_cache_tokens=4096, prefix_caching=False)
+    engine = _engine(llama_pair, kv_cache_tokens=16 * BLOCK, max_num_seqs=2)
+    bases = [" ".join(synthetic_corpus(n_sentences=3, seed=s)) for s in range(5)]
+    ids = [engine.encode(prompt=b + " " + q) for b in bases for q in PROMPTS[:2]]
+    ids += ids[:2]  # the first prefix again, long evicted
+    for i in ids:
+        assert _greedy(engine, i, n=8).token_ids == _greedy(ref, i, n=8).token_ids
+    assert engine.loop.blocks.evicted > 0 and engine.loop.usage()["prefix_hit_tokens"] > 0
+
+
+def test_invariant_numerics_take_hits_on_the_chunk_grid(llama_pair):
+    """With batch-invariant numerics a prompt is prefilled in fixed chunks; a prefix hit ends
+    where a chunk does, so the cached prompt's KV is what its own prefill would write."""
+    engine = _engine(llama_pair, kv_cache_tokens=4096, step_tokens=48, max_num_seqs=16,
+                     models={"numerics": "batch_invariant"})
+    assert engine.loop.chunk == 32
+    plain = _engine(llama_pair, kv_cache_tokens=4096, step_tokens=48, max_num_seqs=16, prefix_caching=False,
+                    models={"numerics": "batch_invariant"})
+    ids = [engine.encode(prompt=SYSTEM + " " + q) for q in PROMPTS[:3]]
+    for i in ids:
+        events = list(engine.loop.submit(engine.request(i, max_tokens=12, mode="draft", k=3, ignore_eos=True)))
+        assert events[0].cached_tokens % 32 == 0
+        assert [t for e in events for t in e.token_ids] == _greedy(plain, i, 12, "draft", 3).token_ids
+    assert engine.loop.usage()["prefix_hit_tokens"] >= 2 * 64
