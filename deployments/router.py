@@ -70,7 +70,8 @@ def build_engine(args: UnitArgs) -> tuple[Engine, dict]:
     res = args.resources
     target_actor = TargetWorker.options(
         **_worker_options("target", TARGET_BUNDLE, res.target_cpus, res.target_gpus)
-    ).remote(models, spec, args.trace_sample_ratio, args.torch_threads, args.kv_cache_tokens)
+    ).remote(models, spec, args.trace_sample_ratio, args.torch_threads, args.kv_cache_tokens,
+             worker_name("target"))
     info = ray.get(target_actor.info.remote())
     actors = {"target": target_actor}
     draft = None

@@ -13,9 +13,12 @@ through the router; the TargetWorker drafts the rows of the drafters that live o
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import tempfile
 import time
+from pathlib import Path
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
@@ -38,6 +41,27 @@ def _setup_process(service: str, trace_sample_ratio: float, torch_threads: int |
         compute.set_threads(torch_threads)
 
 
+POOL_SIZES = Path(tempfile.gettempdir()) / "specdec-pools"
+
+
+def pool_tokens(unit: str, configured: int | None) -> int | None:
+    """The unit's KV pool size in tokens: as configured, else what its target measured at the
+    unit's first start (remembered on this node, where a restarted worker comes back: its
+    placement group bundle stays here), None at that first start. A pool re-measured after a
+    restart could come out smaller than the step loop's block table assumes."""
+    if configured:
+        return configured
+    try:
+        return int(json.loads((POOL_SIZES / f"{unit}.json").read_text())["tokens"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def remember_pool(unit: str, tokens: int) -> None:
+    POOL_SIZES.mkdir(parents=True, exist_ok=True)
+    (POOL_SIZES / f"{unit}.json").write_text(json.dumps({"tokens": tokens}))
+
+
 @ray.remote
 class TargetWorker:
     def __init__(
@@ -47,10 +71,13 @@ class TargetWorker:
         trace_sample_ratio: float = 1.0,
         torch_threads: int | None = None,
         kv_cache_tokens: int | None = None,
+        unit: str | None = None,
     ):
         _setup_process("specdec-target", trace_sample_ratio, torch_threads)
-        self.target, self._eos = compute.run(load_target_step, models, speculation, target_tokenizer(models),
-                                             kv_cache_tokens)
+        size = pool_tokens(unit, kv_cache_tokens) if unit else kv_cache_tokens
+        self.target, self._eos = compute.run(load_target_step, models, speculation, target_tokenizer(models), size)
+        if unit and size is None:  # the first start measured it: a restart keeps it
+            remember_pool(unit, self.target.runner.capacity)
         self._contexts = Receiver()
 
     def info(self) -> dict:
@@ -60,7 +87,7 @@ class TargetWorker:
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
-    def step(self, plan: StepPlan, bases: dict[str, int], external: Drafted | None, release: list[str]) -> StepResult:
+    def step(self, plan: StepPlan, bases: dict[str, tuple[int, int]], external: Drafted | None, release: list[str]) -> StepResult:
         """``plan``'s rows carry their new tokens only (``deployments.contexts``)."""
         plan = StepPlan(self._contexts.restore(plan.rows, bases, release))
         return compute.run(self.target.run, plan, external, release)
@@ -83,7 +110,7 @@ class DraftWorker:
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
-    def propose(self, rows: list[DraftRow], bases: dict[str, int], release: list[str]) -> Drafted:
+    def propose(self, rows: list[DraftRow], bases: dict[str, tuple[int, int]], release: list[str]) -> Drafted:
         """``rows`` carry their new tokens only (``deployments.contexts``)."""
         return compute.run(self.draft.propose, self._contexts.restore(rows, bases, release), release)
 

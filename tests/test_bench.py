@@ -560,3 +560,20 @@ def test_the_overhead_bench_times_steps_in_which_every_row_ran(monkeypatch, caps
     for r in rows:
         assert r["engine_ms"] > r["plan_ms"] > 0 and r["dense_ms"] > 0
         assert r["ratio"] == pytest.approx(r["engine_ms"] / r["dense_ms"])
+
+
+def test_the_prefix_bench_prints_ttft_with_a_shared_system_prompt_and_capacity(tmp_path, capsys):
+    """``specdec bench --prefix``: requests 2-8 take the system prompt from the prefix cache
+    (a multiple of the invariant chunk), none do with the cache off; a KV budget that the
+    reservation rule fills with 3 requests holds all 8 at once."""
+    out = tmp_path / "prefix.json"
+    assert main(["bench", "--prefix", "--tiny", "--system-tokens", "300", "--kv-budget", "2048",
+                 "--capacity-requests", "8", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    on, off = result["ttft"]["on"], result["ttft"]["off"]
+    assert len(on) == len(off) == 8 and on[0]["cached_tokens"] == 0
+    assert all(r["cached_tokens"] == 256 for r in on[1:]) and all(r["cached_tokens"] == 0 for r in off)
+    c = result["capacity"]
+    assert c["held_at_once"] == 8 and c["held_by_reservation"] < 8 and 0 < c["mean_answer_tokens"] <= 100
+    printed = capsys.readouterr().out
+    assert "TTFT, prefix cache" in printed and "held at once: 8 (paged)" in printed

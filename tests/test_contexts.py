@@ -46,7 +46,7 @@ def test_the_worker_rebuilds_every_context_and_a_restarted_one_asks_for_them_who
     sender.sent(rows)
     grown = [DraftRow("a", [1, 2, 3, 4], 4, SamplingParams(), 0), DraftRow("b", [5, 6, 7], 4, SamplingParams(), 0)]
     wire, bases = sender.cut(grown)
-    assert [r.context for r in wire] == [[4], [6, 7]] and bases == {"a": 3, "b": 1}
+    assert [r.context for r in wire] == [[4], [6, 7]] and bases == {"a": (3, 0), "b": (1, 0)}
     assert worker.restore(wire, bases) == grown
     with pytest.raises(MissingContext):
         Receiver().restore(wire, bases)  # a restarted worker holds nothing
@@ -56,4 +56,4 @@ def test_the_worker_rebuilds_every_context_and_a_restarted_one_asks_for_them_who
     # a released sequence is sent whole if its key ever comes back
     sender.sent(grown)
     wire, bases = sender.cut(grown[:1], release=["a"])
-    assert bases == {"a": 0}
+    assert bases == {"a": (0, 0)}

@@ -149,6 +149,15 @@ def scraped(unit):
             r = httpx.post(f"{unit['base']}/v1/completions", json=body, timeout=120)
             assert r.status_code == 200, r.text
             bodies.append(r.json())
+    # A prompt of over 256 tokens twice: the second finds the first's blocks in the prefix cache
+    # (a multiple of the batch-invariant prefill chunk).
+    long = " ".join(PROMPTS * 10)  # ~360 tokens
+    for _ in range(2):
+        r = httpx.post(f"{unit['base']}/v1/completions", timeout=120,
+                       json={"model": MODEL, "prompt": long, "max_tokens": 24, "temperature": 0,
+                             "speculation": {"mode": "off"}})
+        assert r.status_code == 200, r.text
+        bodies.append(r.json())
     deadline, samples = time.monotonic() + SCRAPE_TIMEOUT_S, {}
     while time.monotonic() < deadline:
         samples = scrape(unit["metrics_port"])
@@ -188,10 +197,13 @@ def test_speculation_series_are_per_mode_and_add_up_to_the_responses(scraped):
     for name, key in [("ray_specdec_drafted_tokens_total", "drafted_tokens"),
                       ("ray_specdec_accepted_tokens_total", "accepted_tokens"),
                       ("ray_specdec_fallbacks_total", "fallbacks"), ("ray_specdec_probes_total", "probes")]:
-        assert total(samples, name) == sum(s[key] for s in spec), name
+        assert total(samples, name) == sum(s.get(key, 0) for s in spec), name
     assert total(samples, "ray_specdec_fallbacks_total", mode="auto") > 0
     assert total(samples, "ray_specdec_output_tokens_total") == sum(b["usage"]["completion_tokens"] for b in bodies)
     assert total(samples, "ray_specdec_prompt_tokens_total") == sum(b["usage"]["prompt_tokens"] for b in bodies)
+    cached = [b["usage"]["prompt_tokens_details"]["cached_tokens"] for b in bodies]
+    assert cached[-2:] == [0, 256] and sum(cached) == 256  # the long prompt, the second time
+    assert total(samples, "ray_specdec_prompt_cached_tokens_total") == 256
     for mode in ("draft", "ngram"):  # the per-position curves are the drafter's own, never pooled
         drafted = total(samples, "ray_specdec_drafted_tokens_total", mode=mode)
         assert drafted > 0, mode

@@ -258,3 +258,15 @@ def test_invariant_numerics_take_hits_on_the_chunk_grid(llama_pair):
         assert events[0].cached_tokens % 32 == 0
         assert [t for e in events for t in e.token_ids] == _greedy(plain, i, 12, "draft", 3).token_ids
     assert engine.loop.usage()["prefix_hit_tokens"] >= 2 * 64
+
+
+def test_a_unit_keeps_the_pool_size_its_first_start_measured(tmp_path, monkeypatch):
+    """A restarted target worker gets the size the unit measured at its first start, not a
+    new measurement (``deployments.workers``); a configured size always wins."""
+    from deployments import workers
+
+    monkeypatch.setattr(workers, "POOL_SIZES", tmp_path)
+    assert workers.pool_tokens("unit-a", None) is None  # the first start measures
+    workers.remember_pool("unit-a", 4096)
+    assert workers.pool_tokens("unit-a", None) == 4096  # a restart
+    assert workers.pool_tokens("unit-a", 512) == 512 and workers.pool_tokens("unit-b", None) is None

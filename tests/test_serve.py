@@ -427,6 +427,9 @@ def test_target_worker_killed_mid_stream_the_stream_resumes_token_identical(serv
     assert killed_at is not None and resumed_after is not None
     assert tokens == expected[: len(tokens)] and len(tokens) == 200
     assert last["choices"][0]["finish_reason"] == "length"
+    # the restarted worker's pool is the size the unit decided at its first start
+    restarted = ray.get_actor(target_name, namespace=named[target_name])
+    assert ray.get(restarted.info.remote())["capacity_tokens"] == router.info.remote().result()["usage"]["capacity_tokens"]
     print(f"target worker killed: the stream resumed after {resumed_after:.2f} s")
 
 

@@ -120,7 +120,11 @@ class BatchRunner:
         self.dtype = next(model.parameters()).dtype
         cfg = model.config
         capacity = capacity_tokens or default_capacity(cfg, self.dtype, self.device, self.max_length)
-        self.cache = FlatBatchCache(*kv_shape(cfg), blocks_for(capacity) + 1, dtype=self.dtype, device=self.device)
+        try:
+            self.cache = FlatBatchCache(*kv_shape(cfg), blocks_for(capacity) + 1, dtype=self.dtype, device=self.device)
+        except torch.OutOfMemoryError as exc:  # a size decided earlier (a restarted worker) no longer fits
+            raise RuntimeError(f"a KV pool of {capacity} tokens does not fit on {self.device} next to the model; "
+                               "free the device or configure a smaller kv_cache_tokens") from exc
         self.cache.invariant = invariant  # a token's logits do not depend on its row's length or the batch
         use_ragged(model)  # its attention reads each row's keys from the pool in place
         self._seqs: dict[str, _Seq] = {}

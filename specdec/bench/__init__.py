@@ -3,6 +3,7 @@
 Modules, one concept each:
 
 - ``overhead``   the engine's own cost per step (``--overhead``), a near-zero-compute model
+- ``prefix``     the paged KV cache (``--prefix``): TTFT with a shared system prompt, requests held at once
 - ``quality``    ``specdec quality``: every mode's greedy answers on a shipped suite against plain decoding
 - ``ideal``      the ideal-speedup math (pure; worked example in its docstring)
 - ``workloads``  the seeded prompt sets: chat, code, grounded, sampling
@@ -38,6 +39,27 @@ def _overhead(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prefix(args: argparse.Namespace) -> int:
+    from specdec import compute
+    from specdec.bench import prefix
+    from specdec.bench.run import tiny_pair
+    from specdec.bench.sweep import models_from_args
+
+    if args.threads:
+        compute.set_threads(args.threads)
+    if args.tiny and not args.target:
+        paths = tiny_pair()
+        models = {"target": str(paths["target"]), "draft": str(paths["draft"]), "dtype": args.dtype}
+    else:
+        models = models_from_args(args)
+    result = prefix.run(models, system_tokens=args.system_tokens, kv_budget=args.kv_budget,
+                        capacity_requests=args.capacity_requests)
+    print(prefix.table(result))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+    return 0
+
+
 def run_from_args(args: argparse.Namespace) -> int:
     """The ``bench`` subcommand: run, print the table, write JSON and plots."""
     from specdec.bench.options import BenchOptions
@@ -45,6 +67,8 @@ def run_from_args(args: argparse.Namespace) -> int:
 
     if args.overhead:
         return _overhead(args)
+    if args.prefix:
+        return _prefix(args)
     opts = BenchOptions.from_args(args)
     report = run_bench(opts)
     print(render(report))

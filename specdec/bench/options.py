@@ -77,6 +77,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--steps", type=int, default=24, help="with --overhead: decode steps per level")
     r.add_argument("--numerics", default="fast", choices=["fast", "batch_invariant"],
                    help="with --overhead: the target's numerics")
+    r.add_argument("--prefix", action="store_true",
+                   help="only the paged KV cache (specdec.bench.prefix): TTFT with a shared system prompt, "
+                        "requests a fixed KV budget holds at once")
+    r.add_argument("--system-tokens", type=int, default=2000, help="with --prefix: the shared system prompt")
+    r.add_argument("--kv-budget", type=int, default=8192, help="with --prefix: the capacity run's KV tokens")
+    r.add_argument("--capacity-requests", type=int, default=64, help="with --prefix: requests of the capacity run")
     r.add_argument("--workloads", type=_workloads, default=list(WORKLOADS),
                    help=f"comma-separated subset of {','.join(WORKLOADS)}")
     r.add_argument("--prompts", type=int, help="prompts per workload")

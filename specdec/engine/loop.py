@@ -57,6 +57,7 @@ from specdec.text import TextStream
 
 log = logging.getLogger(__name__)
 
+INVARIANT_CHUNK = 256  # batch-invariant numerics: prompts are prefilled in chunks of this many tokens
 REPLAY_BACKLOG = 256  # quality replays (and sampled answers to score) that may wait for spare capacity
 
 
@@ -206,8 +207,10 @@ class StepLoop:
         self.max_length = max_length
         # Batch-invariant numerics: a prompt is prefilled in chunks of this many tokens at fixed
         # places (what its KV holds then depends on the prompt alone); one always fits a step.
-        # Whole blocks, so a prefix hit ends where a chunk would have.
-        self.chunk = max(1, (step_tokens - max_num_seqs) // BLOCK) * BLOCK if fixed_chunks else None
+        # Whole blocks, so a prefix hit ends where a chunk would have (and no longer than
+        # INVARIANT_CHUNK: a prefix is shared in multiples of the chunk).
+        fit = max(1, (step_tokens - max_num_seqs) // BLOCK) * BLOCK
+        self.chunk = min(INVARIANT_CHUNK, fit) if fixed_chunks else None
         self.preempted = 0  # requests preempted (blocks ran out), since the start
         self.costs = StepCosts()
         self.guard = GoodputGuard()
