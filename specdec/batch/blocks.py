@@ -19,7 +19,7 @@ were given as hits.
     >>> pool.register(first[0], hashes[0]); pool.register(first[1], hashes[1])
     >>> pool.match(hashes) == first[:2]              # a second sequence with the same prefix
     True
-    >>> pool.refs(first[0]), pool.free_blocks
+    >>> pool.refs(first[0]), pool.free_blocks       # 3 in use: 2 shared, 1 private; 4 free
     (2, 4)
 """
 
@@ -90,8 +90,7 @@ class BlockPool:
         self._name: dict[int, bytes] = {}  # block -> its prefix hash
         self._by_name: dict[bytes, int] = {}
         self._cached: OrderedDict[int, None] = OrderedDict()  # unreferenced named blocks, oldest first
-        self.hit_blocks = 0  # blocks ``match`` has found
-        self.evicted = 0
+        self.evicted = 0  # cached blocks handed out again
 
     @property
     def capacity_tokens(self) -> int:
@@ -140,7 +139,6 @@ class BlockPool:
             self._cached.pop(block, None)
             self._refs[block] = self._refs.get(block, 0) + 1
             out.append(block)
-        self.hit_blocks += len(out)
         return out
 
     def register(self, block: int, h: bytes) -> None:
