@@ -307,3 +307,17 @@ def test_invariant_numerics_a_hit_on_the_chunk_grid_is_bitwise_a_fresh_prefill(h
     fresh = BatchRunner(model, capacity_tokens=64 * BLOCK, invariant=True)
     want = _chunked(fresh, "b", b, run_of(1, len(b) + 1), 0)
     assert torch.equal(got, want) == same
+
+
+def test_growing_sequences_keep_their_blocks_consecutive():
+    """Four sequences admitted one after another and grown in turns each keep one run of
+    blocks (the attention reads it as a view, no gather), while the pool has room."""
+    pool = BlockPool(65)
+    tables = [pool.allocate(2) for _ in range(4)]
+    for _ in range(3):
+        for t in tables:
+            t.extend(pool.allocate(1, after=t[-1]))
+    assert all(t == list(range(t[0], t[0] + 5)) for t in tables) and len({t[0] for t in tables}) == 4
+    full = BlockPool(4)
+    a, b = full.allocate(1), full.allocate(1)
+    assert len(full.allocate(1, after=a[-1])) == 1  # no neighbour free: any free block still serves

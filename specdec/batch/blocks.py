@@ -77,15 +77,32 @@ def span(table: Sequence[int], n: int) -> int | None:
     return first * BLOCK
 
 
+def _runs(free: set[int]) -> list[tuple[int, int]]:
+    """The runs of consecutive blocks in ``free``: (first, length), ascending."""
+    runs: list[tuple[int, int]] = []
+    for b in sorted(free):
+        if runs and runs[-1][0] + runs[-1][1] == b:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((b, 1))
+    return runs
+
+
 class BlockPool:
     """Blocks ``1 .. num_blocks - 1`` (block 0 is scratch): free, in use (reference-counted), or
-    cached (a named block no sequence uses, evicted least recently used first)."""
+    cached (a named block no sequence uses, evicted least recently used first).
+
+    Allocation keeps a sequence's blocks consecutive while the pool allows: a sequence's first
+    blocks go to the middle of the largest free run (room to grow on either side) and its later
+    ones right after its last (``after``). The attention reads consecutive blocks as one view
+    of the pool; any other table costs a gather per layer.
+    """
 
     def __init__(self, num_blocks: int, *, caching: bool = True):
         if num_blocks < 2:
             raise ValueError(f"a pool needs at least 2 blocks (one is scratch), got {num_blocks}")
         self.num_blocks, self.caching = num_blocks, caching
-        self._free: list[int] = list(range(num_blocks - 1, 0, -1))  # pop() hands out low blocks first
+        self._free: set[int] = set(range(1, num_blocks))
         self._refs: dict[int, int] = {}
         self._name: dict[int, bytes] = {}  # block -> its prefix hash
         self._by_name: dict[bytes, int] = {}
@@ -108,21 +125,38 @@ class BlockPool:
     def refs(self, block: int) -> int:
         return self._refs.get(block, 0)
 
-    def allocate(self, n: int) -> list[int] | None:
+    def allocate(self, n: int, *, after: int | None = None) -> list[int] | None:
         """``n`` blocks for one sequence, referenced once; None (and nothing taken) when fewer
-        than ``n`` are free or evictable."""
+        than ``n`` are free or evictable. ``after``: the sequence's last block (it grows)."""
         if n > self.free_blocks:
             return None
-        out = []
-        for _ in range(n):
+        out = self._consecutive(n, after)
+        while len(out) < n:
             if self._free:
                 block = self._free.pop()
             else:  # evict the least recently used cached block
                 block, _ = self._cached.popitem(last=False)
                 del self._by_name[self._name.pop(block)]
                 self.evicted += 1
-            self._refs[block] = 1
             out.append(block)
+        for block in out:
+            self._refs[block] = 1
+        return out
+
+    def _consecutive(self, n: int, after: int | None) -> list[int]:
+        """Up to ``n`` free blocks in a row: right after ``after``, or amid the largest free run."""
+        if after is not None:
+            start = after + 1
+        else:
+            runs = _runs(self._free)
+            if not runs:
+                return []
+            first, length = max(runs, key=lambda r: r[1])
+            start = first if first == 1 else first + max(0, length - n) // 2
+        out = []
+        while len(out) < n and start + len(out) in self._free:
+            out.append(start + len(out))
+        self._free.difference_update(out)
         return out
 
     def match(self, hashes: Sequence[bytes], *, multiple: int = 1) -> list[int]:
@@ -160,7 +194,7 @@ class BlockPool:
             if block in self._name:
                 self._cached[block] = None
             else:
-                self._free.append(block)
+                self._free.add(block)
 
 
 def run_of(first: int, tokens: int) -> tuple[int, ...]:

@@ -459,7 +459,7 @@ class StepLoop:
                 continue  # preempted for an older one
             want = blocks_for(len(live.ids) + self._lookahead(live.req)) - len(live.blocks)
             while want > 0:
-                more = self.blocks.allocate(want)
+                more = self.blocks.allocate(want, after=live.blocks[-1] if live.blocks else None)
                 if more is not None:
                     live.blocks.extend(more)
                     break
