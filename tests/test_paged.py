@@ -321,3 +321,21 @@ def test_growing_sequences_keep_their_blocks_consecutive():
     full = BlockPool(4)
     a, b = full.allocate(1), full.allocate(1)
     assert len(full.allocate(1, after=a[-1])) == 1  # no neighbour free: any free block still serves
+
+
+def test_a_prompt_continues_its_cached_prefix_in_the_blocks_after_it():
+    """The blocks after a cached prefix held an earlier request's continuation: a new prompt
+    that shares the prefix takes them (evicted), so its table is one run; a block that is in
+    use is never taken."""
+    pool = BlockPool(33)
+    first = pool.allocate(6)
+    names = prefix_hashes(list(range(6 * BLOCK)))
+    for block, name in zip(first, names):
+        pool.register(block, name)
+    pool.release(first)
+    hits = pool.match(names[:4])
+    rest = pool.allocate(3, after=hits[-1], evict_next=True)
+    assert hits + rest == list(range(first[0], first[0] + 7)) and pool.evicted == 2
+    again = pool.match(names[:4])
+    other = pool.allocate(1, after=again[-1], evict_next=True)
+    assert other[0] != rest[0]  # in use by the first continuation: elsewhere

@@ -125,12 +125,14 @@ class BlockPool:
     def refs(self, block: int) -> int:
         return self._refs.get(block, 0)
 
-    def allocate(self, n: int, *, after: int | None = None) -> list[int] | None:
+    def allocate(self, n: int, *, after: int | None = None, evict_next: bool = False) -> list[int] | None:
         """``n`` blocks for one sequence, referenced once; None (and nothing taken) when fewer
-        than ``n`` are free or evictable. ``after``: the sequence's last block (it grows)."""
+        than ``n`` are free or evictable. ``after``: the sequence's last block (it grows);
+        ``evict_next``: cached blocks right after it are taken too (a prompt that continues a
+        cached prefix elsewhere: the blocks that held the prefix's old continuation)."""
         if n > self.free_blocks:
             return None
-        out = self._consecutive(n, after)
+        out = self._consecutive(n, after, evict_next)
         while len(out) < n:
             if self._free:
                 block = self._free.pop()
@@ -143,7 +145,7 @@ class BlockPool:
             self._refs[block] = 1
         return out
 
-    def _consecutive(self, n: int, after: int | None) -> list[int]:
+    def _consecutive(self, n: int, after: int | None, evict_next: bool = False) -> list[int]:
         """Up to ``n`` free blocks in a row: right after ``after``, or amid the largest free run."""
         if after is not None:
             start = after + 1
@@ -154,9 +156,17 @@ class BlockPool:
             first, length = max(runs, key=lambda r: r[1])
             start = first if first == 1 else first + max(0, length - n) // 2
         out = []
-        while len(out) < n and start + len(out) in self._free:
-            out.append(start + len(out))
-        self._free.difference_update(out)
+        while len(out) < n:
+            block = start + len(out)
+            if block in self._free:
+                self._free.discard(block)
+            elif evict_next and block in self._cached:
+                del self._cached[block]
+                del self._by_name[self._name.pop(block)]
+                self.evicted += 1
+            else:
+                break
+            out.append(block)
         return out
 
     def match(self, hashes: Sequence[bytes], *, multiple: int = 1) -> list[int]:

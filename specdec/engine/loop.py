@@ -438,7 +438,9 @@ class StepLoop:
         # Batch-invariant numerics: a hit ends where a chunk does.
         hits = self.blocks.match(live.named, multiple=self.chunk // BLOCK if self.chunk else 1)
         need = blocks_for(len(ids) + self._lookahead(live.req)) - len(hits)
-        fresh = self.blocks.allocate(need) if need + len(self._running) <= self.blocks.free_blocks else None
+        fresh = None
+        if need + len(self._running) <= self.blocks.free_blocks:  # right after a hit's blocks if it can: one view
+            fresh = self.blocks.allocate(need, after=hits[-1] if hits else None, evict_next=bool(hits))
         if fresh is None:
             self.blocks.release(hits)
             return False
