@@ -283,8 +283,9 @@ class BatchRunner:
         holds = self.cache.holds
         if not holds or not row.blocks:
             return seq
-        names = prefix_hashes(row.ids[: min(len(row.ids) - row.num_logits, row.tree_at)])
-        for j, name in enumerate(names[: len(row.blocks)]):
+        ids = row.ids[: min(len(row.ids) - row.num_logits, row.tree_at)]
+        for j in range(min(len(ids) // BLOCK, len(row.blocks))):  # block by block: a miss ends it
+            name = prefix_hashes(ids[: (j + 1) * BLOCK], start=seq.named)[j]
             if holds.get(row.blocks[j]) != name:
                 break
             seq.named.append(name)

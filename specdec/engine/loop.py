@@ -60,8 +60,9 @@ log = logging.getLogger(__name__)
 # Batch-invariant numerics: prompts are prefilled in chunks of this many tokens, at multiples of
 # it; a prefix is shared in multiples of it too. A bf16 prefill row's keys and values depend on
 # where its chunk begins and ends (attention rounds by the keys its call has, a matrix product by
-# its rows); measured on a 2-core AMD EPYC with the demo target, a 2,048-token prefill took
-# 2.65 s in chunks of 256 and 2.90 s in attention groups of 128.
+# its rows). The price of a finer grid, measured on a 2-core AMD EPYC (AVX-512 BF16) with the
+# demo target in bf16: a 2,048-token prefill took 2.78 s in chunks of 496, 3.15 s in chunks of
+# 256 and 3.94 s in chunks of 128 (each step has a fixed cost).
 INVARIANT_CHUNK = 128
 REPLAY_BACKLOG = 256  # quality replays (and sampled answers to score) that may wait for spare capacity
 
