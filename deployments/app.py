@@ -73,7 +73,7 @@ def bind_app(args: dict, **router_options) -> Application:
     for index, unit in enumerate([first, *parsed.units]):
         models = resolve_models(unit.models)
         router = build_unit(unit, router_name(index), **(router_options if index == 0 else {}))
-        routes.append({"router": router, "names": models.names, "fingerprint": models.fingerprint})
+        routes.append({"router": router, "names": models.names})
     # The ingress only forwards: the units' own limits (max_concurrent_requests, their queues)
     # must apply, not Serve's default of 5 requests per replica.
     return Ingress.options(

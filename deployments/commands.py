@@ -15,6 +15,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     check.add_argument("files", nargs="+", metavar="FILE")
     check.set_defaults(func=check_config)
 
+    ops = subparsers.add_parser(
+        "ops", help="operate a local cluster under load: rolling upgrades, faults, a soak (127.0.0.1 only)",
+        description="Each runs its own local cluster (ray start --head --block, token auth), deploys with "
+                    "serve deploy, prints a table and exits 1 when a target is missed. Without --config: the "
+                    "tiny test models in float32.")
+    ops.add_argument("what", choices=["upgrade", "faults", "soak"])
+    ops.add_argument("--config", help="a serve config to run instead of the tiny models")
+    ops.add_argument("--next-target", help="upgrade: the target the model step changes to")
+    ops.add_argument("--next-draft", help="upgrade: the draft the model step changes to")
+    ops.add_argument("--colocation", choices=["in_process", "actors"],
+                     help="default: in_process for upgrade, actors (workers to kill and measure) otherwise")
+    ops.add_argument("--streams", type=int, default=16)
+    ops.add_argument("--duration", type=float, default=600.0, help="soak: seconds (default 10 minutes)")
+    ops.add_argument("--warmup", type=float, default=120.0, help="soak: seconds before the bounds' baseline")
+    ops.add_argument("--trace-cap-mb", type=int, default=256, help="soak: SPECDEC_TRACE_MAX_TOTAL_BYTES")
+    ops.add_argument("--restore-bound-s", type=float, default=30.0, help="faults: the unit serves again within")
+    ops.add_argument("--port", type=int, default=8150)
+    ops.add_argument("--dashboard-port", type=int, default=8277)
+    ops.add_argument("--gcs-port", type=int, default=6391)
+    ops.add_argument("--metrics-port", type=int, default=8278)
+    ops.add_argument("--json", help="write the rows as JSON")
+    ops.set_defaults(func=operate)
+
 
 def check_config(args: argparse.Namespace) -> int:
     from deployments.lint import lint_file
@@ -26,6 +49,12 @@ def check_config(args: argparse.Namespace) -> int:
         for problem in problems:
             print(f"{path}: {problem}")
     return 1 if bad else 0
+
+
+def operate(args: argparse.Namespace) -> int:
+    from deployments.operate import main
+
+    return main(args)
 
 
 def serve_locally(models: dict, *, port: int, name: str, max_num_seqs: int = 16,

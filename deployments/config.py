@@ -6,6 +6,7 @@ strict where we can be.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -185,6 +186,21 @@ class AppArgs(UnitArgs):
                 raise ValueError(f"model name {sorted(clash)[0]!r} is served by two units: names must be unique")
             seen |= set(unit.models.names)
         return self
+
+
+def unit_fingerprint(models: ModelConfig, speculation: SpeculationConfig, flags: BaseModel) -> str:
+    """The ``system_fingerprint`` a unit answers with: the models' (the build, the dtype, the
+    model configuration) plus a hash of how it speculates and the operator's live flags, so
+    that during a rolling upgrade each response says which configuration produced it.
+
+    >>> a = unit_fingerprint(ModelConfig(target="t"), SpeculationConfig(), SpeculationConfig())
+    >>> a.startswith(ModelConfig(target="t").fingerprint + "-")
+    True
+    >>> a == unit_fingerprint(ModelConfig(target="t"), SpeculationConfig(mode="off"), SpeculationConfig())
+    False
+    """
+    digest = hashlib.sha256((speculation.model_dump_json() + flags.model_dump_json()).encode()).hexdigest()[:6]
+    return f"{models.fingerprint}-{digest}"
 
 
 def router_name(index: int) -> str:

@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
+from ray.exceptions import TaskCancelledError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -28,8 +29,39 @@ log = logging.getLogger("ray.serve")
 
 app = FastAPI(title="specdec", description="Exact speculative decoding, OpenAI-style API")
 
+
+class Disconnects:
+    """ASGI middleware: a client that hangs up is a disconnect, not an error.
+
+    When a client goes away, Serve's proxy cancels the request, and the replica's ``receive``
+    raises ``TaskCancelledError`` where ASGI promises ``http.disconnect``. A streaming response
+    listens on ``receive`` for exactly that, so the error escapes its task group and Serve logs
+    an ``ExceptionGroup`` traceback for a request nothing went wrong with. Here it becomes the
+    disconnect message, the stream stops as Starlette stops any stream whose client left (the
+    unit's generation is cancelled with it), and the log gets one line.
+    """
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def receive_or_disconnect():
+            try:
+                return await receive()
+            except TaskCancelledError:
+                request_id = serve.context._get_serve_request_context().request_id
+                log.info("request %s: the client disconnected", request_id)
+                return {"type": "http.disconnect"}
+
+        return await self.app(scope, receive_or_disconnect, send)
+
+
 app.add_middleware(limits.BodyLimit)
-app.middleware("http")(auth.authenticate)  # added last: outermost, so a caller without a key learns nothing
+app.middleware("http")(auth.authenticate)  # a caller without a key learns nothing
+app.add_middleware(Disconnects)  # added last: outermost, it sees Serve's receive first
 
 
 def _error(status: int, message: str, *, param: str | None = None, code: str | None = None) -> JSONResponse:
@@ -166,7 +198,6 @@ class _Unit:
 
     router: DeploymentHandle
     name: str  # the model's first name: responses carry it
-    fingerprint: str
 
 
 def _model_not_found(name: str) -> JSONResponse:
@@ -213,7 +244,7 @@ def _unit_request(body, inputs: dict, http: Request, request_id: str) -> UnitReq
 @serve.ingress(app)
 class Ingress:
     def __init__(self, routes: list[dict], keys: list[str] | None = None, request_limits: dict | None = None):
-        """``routes``: one per unit, ``{"router": handle, "names": [...], "fingerprint": str}``."""
+        """``routes``: one per unit, ``{"router": handle, "names": [...]}``."""
         auth.set_keys(auth.api_keys(keys))
         limits.set_limits(RequestLimits.model_validate(request_limits or {}))
         if os.environ.get(proxy.CALLBACK_ENV) != proxy.CALLBACK:
@@ -222,7 +253,7 @@ class Ingress:
         self.model_names: list[str] = []  # every unit's names, in order
         self.units: dict[str, _Unit] = {}  # by every name a client may send
         for route in routes:
-            unit = _Unit(route["router"].options(stream=True), route["names"][0], route["fingerprint"])
+            unit = _Unit(route["router"].options(stream=True), route["names"][0])
             for name in route["names"]:  # aliases: responses carry the unit's first name
                 self.units[name] = unit
                 self.model_names.append(name)
@@ -284,8 +315,10 @@ class Ingress:
         headers = {"x-specdec-mode": first.mode}
         if first.traceparent:  # the request span: find it with `specdec traces show`
             headers["traceparent"] = first.traceparent
+        # The fingerprint comes from the replica that answers: in a rolling upgrade, old and new
+        # configurations answer side by side.
         response = _Response(request_id, unit.name, chat, body.return_token_ids, first,
-                             body.include_usage, unit.fingerprint)
+                             body.include_usage, first.fingerprint)
         if body.stream:
             return StreamingResponse(
                 response.sse(events), media_type="text/event-stream", headers=headers

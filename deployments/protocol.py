@@ -170,11 +170,13 @@ class UnitRequest:
 
 @dataclass(frozen=True)
 class Start:
-    """The request was accepted: its mode and its trace (``traceparent`` of the request span)."""
+    """The request was accepted: its mode, its trace (``traceparent`` of the request span) and
+    the ``system_fingerprint`` of the configuration that serves it."""
 
     prompt_tokens: int
     mode: str
     traceparent: str | None = None
+    fingerprint: str | None = None
 
 
 @dataclass(frozen=True)

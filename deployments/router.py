@@ -21,7 +21,7 @@ from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from deployments.autoscaling import StatsRecorder, UnitTotals
-from deployments.config import UnitArgs
+from deployments.config import UnitArgs, unit_fingerprint
 from deployments.metrics import UnitMetrics
 from deployments.protocol import Delta, End, Error, Start, UnitRequest
 from deployments.workers import DraftWorker, RemoteDraft, RemoteTarget, TargetWorker
@@ -72,16 +72,22 @@ def build_engine(args: UnitArgs) -> tuple[Engine, dict]:
         **_worker_options("target", TARGET_BUNDLE, res.target_cpus, res.target_gpus)
     ).remote(models, spec, args.trace_sample_ratio, args.torch_threads, args.kv_cache_tokens,
              worker_name("target"))
-    info = ray.get(target_actor.info.remote())
+    # The draft worker starts at once, beside the target (a worker's process start and imports
+    # are most of a unit's start); it sizes its pool from the target's info when that is in.
+    # RemoteDraft holds the reference: a restarted draft worker reads it again.
+    info_ref = target_actor.info.remote()
     actors = {"target": target_actor}
-    draft = None
+    draft_actor = None
     if models.draft:
         check_same_vocabulary(tokenizer, draft_tokenizer(models))
         draft_actor = DraftWorker.options(
             **_worker_options("draft", DRAFT_BUNDLE, res.draft_cpus, res.draft_gpus)
-        ).remote(models, spec, info["capacity_tokens"], args.trace_sample_ratio, args.torch_threads)
+        ).remote(models, spec, [info_ref], args.trace_sample_ratio, args.torch_threads)
+    info = ray.get(info_ref)
+    draft = None
+    if draft_actor is not None:
         ray.get(draft_actor.ready.remote())
-        draft = RemoteDraft(draft_actor, args.draft_timeout_s)
+        draft = RemoteDraft(draft_actor, args.draft_timeout_s, sizing=info_ref)
         actors["draft"] = draft_actor
     engine = Engine.from_parts(
         tokenizer, RemoteTarget(target_actor, info["max_length"], args.worker_timeout_s), draft,
@@ -112,6 +118,10 @@ class SpecRouter:
         self.engine.loop.on_replay = self._replayed
         self.totals = UnitTotals()  # what the unit produced: its autoscaling capacity
         self._autoscaling_stats = StatsRecorder()
+        self.fingerprint = self._fingerprint()
+
+    def _fingerprint(self) -> str:
+        return unit_fingerprint(self.args.models, self.args.speculation, self.engine.policy_config)
 
     def _replayed(self, match: bool, request: GenerationRequest) -> None:
         """A quality replay finished (the loop's thread): count it."""
@@ -120,7 +130,8 @@ class SpecRouter:
     def reconfigure(self, user_config: dict) -> None:
         """Operator flags (kill switch, default mode, k_max, fallback thresholds), live."""
         self.engine.policy_config = PolicyConfig.model_validate(user_config or {})
-        log.info("policy config now %s", self.engine.policy_config)
+        self.fingerprint = self._fingerprint()
+        log.info("policy config now %s (fingerprint %s)", self.engine.policy_config, self.fingerprint)
 
     def info(self) -> dict:
         """What this unit is and where its parts run (node ids), for operators and tests."""
@@ -135,6 +146,7 @@ class SpecRouter:
             "workers": {name: ray.get(actor.node_id.remote()) for name, actor in self.actors.items()},
             "worker_names": {name: worker_name(name) for name in self.actors},
             "policy": self.engine.policy_config.model_dump(),
+            "fingerprint": self.fingerprint,
         }
 
     def _prepare(self, req: UnitRequest) -> GenerationRequest:
@@ -203,7 +215,7 @@ class SpecRouter:
         )
         with telemetry.request_span(carrier=req.trace_context, attributes=attrs,
                                     trust_incoming=self.args.trace_trust_incoming) as trace:
-            yield Start(prompt_tokens, greq.mode, telemetry.inject(trace.span).get("traceparent"))
+            yield Start(prompt_tokens, greq.mode, telemetry.inject(trace.span).get("traceparent"), self.fingerprint)
             trace_id = trace.span.get_span_context().trace_id.to_bytes(16, "big").hex()
             greq = dataclasses.replace(greq, tag=f"trace {trace_id} (x-request-id {req.request_id})")
             produced, finish, controller, cached = 0, None, {}, None

@@ -95,9 +95,12 @@ class TargetWorker:
 
 @ray.remote
 class DraftWorker:
-    def __init__(self, models: ModelConfig, speculation: SpeculationConfig, capacity_tokens: int,
+    def __init__(self, models: ModelConfig, speculation: SpeculationConfig, target_info: list,
                  trace_sample_ratio: float = 1.0, torch_threads: int | None = None):
+        """``target_info``: ``[ref]`` to the TargetWorker's ``info()`` (wrapped, so that Ray does
+        not wait for it before starting this process): the draft's pool is the target's size."""
         _setup_process("specdec-draft", trace_sample_ratio, torch_threads)
+        capacity_tokens = ray.get(target_info[0])["capacity_tokens"]
         self.draft = compute.run(load_draft_step, models, speculation, capacity_tokens)
         self._contexts = Receiver()
 
@@ -147,7 +150,7 @@ class RemoteTarget:
                 self.contexts.forget()
                 if isinstance(external, ray.ObjectRef) and _failed(external):
                     if draft_side is not None:
-                        draft_side.contexts.forget()
+                        draft_side.lost()
                     raise DraftUnavailable("the draft worker did not deliver its proposals") from None
                 if not isinstance(exc, (RayActorError, MissingContext)) or attempt == self.restarts:
                     raise
@@ -185,32 +188,75 @@ class PendingDraft:
 class RemoteDraft:
     """The step loop's draft side over a DraftWorker: returns at once, never waits.
 
-    A worker that does not deliver within ``timeout_s`` (hung, not dead: a dead one fails its
-    ref at once) is treated like a dead one: that step runs plainly and the worker is replaced
-    (killed; Ray restarts it). While the replacement loads, late answers only cost plain steps.
+    A worker that does not deliver within ``timeout_s`` costs that step its drafts (it runs
+    plainly), and no proposal is sent until the worker shows it is back: the late proposal
+    itself arriving (a slow worker, e.g. a restarted one warming up), or, after a death, a
+    readiness probe answering (a call to a restarting actor would wait for it, and every step
+    with it). Meanwhile steps run plainly at full speed. A worker silent for ``4 * timeout_s``
+    is hung: it is killed, and Ray restarts it.
     """
 
-    def __init__(self, actor, timeout_s: float = 10.0):
+    def __init__(self, actor, timeout_s: float = 10.0, sizing: ray.ObjectRef | None = None):
         self.actor = actor
         self.timeout_s = timeout_s
-        self.replacing = False
+        self.sizing = sizing  # what the worker sized its pool from: kept for its restarts
         self.contexts = Sender()  # counted as delivered when sent; any failure resets it
+        self._probe: ray.ObjectRef | None = None  # while drafting waits for the worker: what it waits on
+        self._since = 0.0  # when it began waiting
+        self._killed = False
+
+    @property
+    def replacing(self) -> bool:
+        return self._probe is not None
+
+    def _wait_for(self, ref: ray.ObjectRef) -> None:
+        self._probe, self._since = ref, time.monotonic()
+
+    def available(self) -> bool:
+        """Whether the worker takes proposals (False while drafting waits for it)."""
+        if self._probe is None:
+            return True
+        ready, _ = ray.wait([self._probe], timeout=0)
+        if not ready:
+            if not self._killed and time.monotonic() - self._since > 4 * self.timeout_s:
+                log.warning("the draft worker is hung (%.0f s without an answer): replacing it",
+                            time.monotonic() - self._since)
+                ray.kill(self.actor, no_restart=False)
+                self._killed = True
+                self._wait_for(self.actor.ready.remote())
+            return False
+        try:
+            ray.get(self._probe)
+        except RayError:  # it died (again): wait for its restart
+            self._wait_for(self.actor.ready.remote())
+            return False
+        log.info("the draft worker answers again: drafting resumes")
+        self._probe, self._killed = None, False
+        return True
 
     def propose(self, rows, release) -> PendingDraft:
+        if not self.available():
+            raise DraftUnavailable("the draft worker is not back yet")
         wire, bases = self.contexts.cut(rows, release)
         self.contexts.sent(rows)
         return PendingDraft(self.actor.propose.remote(wire, bases, list(release)), self)
 
+    def lost(self) -> None:
+        """Its proposals failed (the worker died): wait for Ray's restart, sending nothing."""
+        self.contexts.forget()
+        if self._probe is None:
+            log.warning("the draft worker died; drafts run plainly until its restart answers")
+            self._wait_for(self.actor.ready.remote())
+
     def wait(self, ref: ray.ObjectRef) -> ray.ObjectRef:
         ready, _ = ray.wait([ref], timeout=self.timeout_s)
         if ready:
-            self.replacing = False
             return ref
         self.contexts.forget()
-        if not self.replacing:
-            log.warning("the draft worker did not answer in %.1f s: replacing it", self.timeout_s)
-            ray.kill(self.actor, no_restart=False)
-            self.replacing = True
+        if self._probe is None:
+            log.warning("the draft worker did not answer in %.1f s; drafts run plainly until it does",
+                        self.timeout_s)
+            self._wait_for(ref)  # its late answer says it is back
         raise DraftUnavailable(f"the draft worker did not answer in {self.timeout_s} s")
 
 

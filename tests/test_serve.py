@@ -40,6 +40,7 @@ def server(llama_pair, tmp_path_factory):
     save_eagle_head(init_eagle_head(target, torch.arange(target.config.vocab_size), EagleTrainConfig()), eagle)
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+    apps = []
     for mode in MODES:
         args = {
             "models": {
@@ -54,10 +55,11 @@ def server(llama_pair, tmp_path_factory):
             "resources": {"target_cpus": 0.5, "draft_cpus": 0.25},
             "draft_timeout_s": 3.0,
         }
-        serve.run(build_app(args), name=mode, route_prefix=f"/{mode}")
+        apps.append(serve.RunTarget(build_app(args), mode, f"/{mode}"))
     secured = {"models": {"target": str(llama_pair["target"]), "dtype": "float32", "served_model_name": MODEL},
                "colocation": "in_process", "api_keys": KEYS}
-    serve.run(build_app(secured), name="secured", route_prefix="/secured")
+    apps.append(serve.RunTarget(build_app(secured), "secured", "/secured"))
+    serve.run_many(apps)  # started side by side
     yield {**llama_pair, "traces": home / "traces"}
     serve.shutdown()
     ray.shutdown()

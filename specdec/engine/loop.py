@@ -583,11 +583,11 @@ class StepLoop:
         """The draft side's call (it returns at once), then the target's; a failed draft side
         makes its rows plain for this step and for the next ``DRAFT_RETRY_ROUNDS`` rounds."""
         external_rows = [r for r in plan.rows if r.speculates and DRAFTERS[r.mode].where == "draft"]
-        external = None
-        if external_rows and self.draft is not None:
-            external = self.draft.propose(draft_rows(external_rows), self._take_release("draft"))
-        try:
-            return plan, self.target.run(plan, external, self._take_release("target")), {}
+        external, release = None, self._take_release("target")  # kept for the plain retry: never lost
+        try:  # a remote draft side may refuse at once (its worker is restarting)
+            if external_rows and self.draft is not None:
+                external = self.draft.propose(draft_rows(external_rows), self._take_release("draft"))
+            return plan, self.target.run(plan, external, release), {}
         except DraftUnavailable as exc:
             log.warning("draft worker failed (%s); this step's drafts run plainly", exc)
             why = f"{type(exc).__name__}: {exc}"
@@ -597,7 +597,7 @@ class StepLoop:
                 live.draft_retry_at = len(live.rounds) + DRAFT_RETRY_ROUNDS
         plan = StepPlan([dataclasses.replace(r, mode="off", k=0, proposal=EMPTY_PROPOSAL) if r.key in failed else r
                          for r in plan.rows])
-        return plan, self.target.run(plan, None, []), dict.fromkeys(failed, why)
+        return plan, self.target.run(plan, None, release), dict.fromkeys(failed, why)
 
     def _take_release(self, side: str) -> list[str]:
         keys = [k for s, k in self._release if s == side]
