@@ -70,7 +70,7 @@ def test_faults_under_16_streams_every_request_is_exact_or_a_clean_error(cluster
     drafts failed are fresh samples, counted apart) or gets an OpenAI error object; none is
     lost; the unit serves again within 30 s of each kill."""
     config = operate.tiny_config(llama_pair, port=PORT, colocation="actors")
-    rows, reports = asyncio.run(operate.run_faults(cluster, config, streams=16, before_s=3.0, after_s=2.0))
+    rows, reports = asyncio.run(operate.run_faults(cluster, config, streams=16, before_s=2.0, after_s=1.0))
     print(operate.table(rows))
     assert [r.killed for r in rows] == list(operate.KILLS)
     for row in rows:
