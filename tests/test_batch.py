@@ -9,6 +9,7 @@ gives the same text alone and in a batch of 8.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import math
 import threading
@@ -450,3 +451,48 @@ def test_a_draft_side_that_fails_leaves_its_rows_plain_for_a_while_and_the_token
     after = [r for r in spec.rounds if r.index > failed[0]]
     assert all(r.drafted == 0 for r in after[:DRAFT_RETRY_ROUNDS - 1])  # plain while it recovers
     assert any(r.drafted for r in after[DRAFT_RETRY_ROUNDS - 1:])  # then drafting again
+
+
+def test_a_seeded_sampled_row_waits_for_its_failed_draft_side_and_its_text_is_unchanged(llama_pair):
+    """A seeded sampled request's text depends on how its rounds are cut, so when the draft side
+    fails its row sits the steps out until the draft side answers again (a restarted worker)
+    and the text is exactly the seed's; a greedy row beside it runs plainly meanwhile, and a
+    seeded row whose draft side stays away past HOLD_SEEDED_S runs plainly too (the negative
+    control: its text is a fresh sample)."""
+    from specdec.engine import loop as loop_module
+    from specdec.engine.plan import DraftUnavailable
+
+    engine = Engine.load(ModelConfig(target=str(llama_pair["target"]), draft=str(llama_pair["draft"]),
+                                     dtype="float32"), kv_cache_tokens=4096)
+    ids = engine.encode(prompt=PROMPTS[1])
+    seeded = SamplingParams(temperature=1.0, seed=7)
+    reference = engine.generate(ids, max_tokens=24, mode="draft", k=3, params=seeded, ignore_eos=True)
+    greedy = engine.generate(ids, max_tokens=24, mode="off", ignore_eos=True)
+    real, calls = engine.loop.target.run, []
+
+    def failing(plan, external=None, release=()):  # the 2nd to 4th proposals never arrive
+        calls.append(external is not None)
+        if external is not None and 2 <= calls.count(True) <= 4:
+            raise DraftUnavailable("the draft worker did not answer")
+        return real(plan, external, release)
+
+    engine.loop.target.run = failing
+    held = engine.generate(ids, max_tokens=24, mode="draft", k=3, params=seeded, ignore_eos=True)
+    assert held.token_ids == reference.token_ids and held.speculation.draft_failures == 0
+    calls.clear()
+    both = asyncio.run(_both(engine, ids, seeded))  # a greedy row beside the held one
+    assert both[0].token_ids == reference.token_ids and both[1].token_ids == greedy.token_ids
+    assert both[1].speculation.draft_failures >= 1  # it ran plainly while the seeded row waited
+    calls.clear()
+    saved, loop_module.HOLD_SEEDED_S = loop_module.HOLD_SEEDED_S, 0.0
+    try:
+        rerolled = engine.generate(ids, max_tokens=24, mode="draft", k=3, params=seeded, ignore_eos=True)
+    finally:
+        loop_module.HOLD_SEEDED_S = saved
+    assert rerolled.speculation.draft_failures >= 1 and rerolled.token_ids != reference.token_ids
+
+
+async def _both(engine, ids, seeded):
+    async def one(**kw):
+        return await asyncio.to_thread(engine.generate, ids, max_tokens=24, ignore_eos=True, **kw)
+    return await asyncio.gather(one(mode="draft", k=3, params=seeded), one(mode="draft", k=3))

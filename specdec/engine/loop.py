@@ -64,6 +64,10 @@ log = logging.getLogger(__name__)
 # demo target in bf16: a 2,048-token prefill took 2.78 s in chunks of 496, 3.15 s in chunks of
 # 256 and 3.94 s in chunks of 128 (each step has a fixed cost).
 INVARIANT_CHUNK = 128
+# A seeded sampled row whose draft side failed waits for it (a restarted draft worker answers in
+# seconds) rather than change its text; past this it runs plainly, as other rows do at once.
+HOLD_SEEDED_S = 30.0
+HOLD_POLL_S = 0.05  # a step in which every row waits: how long before the next try
 REPLAY_BACKLOG = 256  # quality replays (and sampled answers to score) that may wait for spare capacity
 
 
@@ -163,6 +167,7 @@ class _Live:
     out: list[int] = field(default_factory=list)
     rounds: list[RoundStats] = field(default_factory=list)
     draft_retry_at: int = 0
+    held_since: float = 0.0  # a seeded sampled row waiting for its draft side (``_verify``)
     events_sent: int = 0
     submitted: float = field(default_factory=time.perf_counter)
     queued_s: float | None = None  # submit to admission: how long it waited for a KV range and a seat
@@ -383,6 +388,8 @@ class StepLoop:
         plan, here = self._draft_in_loop(plan)
         planned = time.perf_counter()
         plan, result, errors = self._verify(plan)
+        if not plan.rows:  # every row sat the step out (``_verify``)
+            return
         verified = time.perf_counter()
         errors = {**errors, **here.errors, **result.draft_errors}
         for key in {**here.errors, **result.draft_errors}:
@@ -580,24 +587,42 @@ class StepLoop:
                          for r in plan.rows]), here
 
     def _verify(self, plan: StepPlan) -> tuple[StepPlan, StepResult, dict[str, str]]:
-        """The draft side's call (it returns at once), then the target's; a failed draft side
-        makes its rows plain for this step and for the next ``DRAFT_RETRY_ROUNDS`` rounds."""
+        """The draft side's call (it returns at once), then the target's. A failed draft side
+        makes its rows plain for this step and for the next ``DRAFT_RETRY_ROUNDS`` rounds,
+        except seeded sampled rows: which tokens rejection sampling draws depends on how the
+        rounds are cut, so a plain round would change their text. They sit the step out and
+        try again next step (up to ``HOLD_SEEDED_S``, then they too run plainly)."""
         external_rows = [r for r in plan.rows if r.speculates and DRAFTERS[r.mode].where == "draft"]
         external, release = None, self._take_release("target")  # kept for the plain retry: never lost
         try:  # a remote draft side may refuse at once (its worker is restarting)
             if external_rows and self.draft is not None:
                 external = self.draft.propose(draft_rows(external_rows), self._take_release("draft"))
-            return plan, self.target.run(plan, external, release), {}
-        except DraftUnavailable as exc:
-            log.warning("draft worker failed (%s); this step's drafts run plainly", exc)
+            result = self.target.run(plan, external, release)
+        except DraftUnavailable as exc:  # the draft side logged what happened to it
+            log.debug("draft side unavailable (%s); this step's drafts run plainly", exc)
             why = f"{type(exc).__name__}: {exc}"
-        failed = {r.key for r in external_rows}
+        else:
+            for live in self._running:
+                live.held_since = 0.0
+            return plan, result, {}
+        failed, held, now = {r.key for r in external_rows}, set(), time.monotonic()
         for live in self._running:
-            if live.key in failed:
-                live.draft_retry_at = len(live.rounds) + DRAFT_RETRY_ROUNDS
-        plan = StepPlan([dataclasses.replace(r, mode="off", k=0, proposal=EMPTY_PROPOSAL) if r.key in failed else r
-                         for r in plan.rows])
-        return plan, self.target.run(plan, None, release), dict.fromkeys(failed, why)
+            if live.key not in failed:
+                continue
+            if live.req.params.seed is not None and live.req.params.temperature > 0:
+                live.held_since = live.held_since or now
+                if now - live.held_since < HOLD_SEEDED_S:
+                    held.add(live.key)
+                    continue
+            live.draft_retry_at = len(live.rounds) + DRAFT_RETRY_ROUNDS
+        rows = [dataclasses.replace(r, mode="off", k=0, proposal=EMPTY_PROPOSAL) if r.key in failed else r
+                for r in plan.rows if r.key not in held]
+        if not rows:  # every row waits for the draft side
+            self._release = [("target", key) for key in release] + self._release
+            time.sleep(HOLD_POLL_S)
+            return StepPlan([]), StepResult([], []), {}
+        plan = StepPlan(rows)
+        return plan, self.target.run(plan, None, release), dict.fromkeys(failed - held, why)
 
     def _take_release(self, side: str) -> list[str]:
         keys = [k for s, k in self._release if s == side]
