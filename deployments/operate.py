@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 import yaml
 
 from deployments import load, processes
@@ -114,8 +115,6 @@ class UpgradeRow:
 
 async def _wait_fingerprint(url: str, case: load.Case, fingerprint: str, timeout: float) -> float:
     t0 = time.perf_counter()
-    import httpx
-
     async with httpx.AsyncClient(timeout=120) as client:
         while time.perf_counter() - t0 < timeout:
             reply = await load.send(client, url, case)

@@ -50,6 +50,8 @@ class DropClientOverrides:
         return await self.app(scope, receive, send)
 
 
+# deployments.protocol.error_body's shape, written here: importing protocol would load torch
+# (through specdec.config) into every proxy process.
 def _error_body(message: str, status: int, code: str) -> bytes:
     type_ = "invalid_request_error" if status < 500 else "server_error"
     return json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}}).encode()

@@ -205,10 +205,6 @@ class RemoteDraft:
         self._since = 0.0  # when it began waiting
         self._killed = False
 
-    @property
-    def replacing(self) -> bool:
-        return self._probe is not None
-
     def _wait_for(self, ref: ray.ObjectRef) -> None:
         self._probe, self._since = ref, time.monotonic()
 
