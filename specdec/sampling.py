@@ -8,6 +8,7 @@ distribution a plain sampler with these parameters would draw from.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,13 @@ class SamplingParams:
     top_k: int = 0  # 0 = no top-k filter
     top_p: float = 1.0  # nucleus mass in (0, 1]; 1.0 = no filter
     seed: int | None = None  # None: a non-reproducible seed is drawn
+    min_p: float = 0.0  # drop tokens below min_p times the most likely one's probability (after temperature)
+    # Logits processors (``penalize``): they read the sequence so far, so each scored position of a
+    # round sees its own history (the drafts before it). The OpenAI API's ranges.
+    presence_penalty: float = 0.0  # minus this once for each token the output already holds
+    frequency_penalty: float = 0.0  # minus this times how often the output holds it
+    repetition_penalty: float = 1.0  # prompt and output tokens: positive logits / r, negative * r
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), ids ascending
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
@@ -32,11 +40,27 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not (0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (0 <= self.min_p <= 1):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not (-2 <= getattr(self, name) <= 2):
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not (0 < self.repetition_penalty <= 2 and math.isfinite(self.repetition_penalty)):
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        for token, bias in self.logit_bias:
+            if token < 0 or not (-100 <= bias <= 100):
+                raise ValueError(f"logit_bias: token ids must be >= 0 and biases in [-100, 100], got {token}: {bias}")
 
     @property
     def greedy(self) -> bool:
         # Below MIN_TEMPERATURE, logits / T overflows float32: such a request is greedy (as vLLM).
         return self.temperature < MIN_TEMPERATURE
+
+    @property
+    def penalized(self) -> bool:
+        """Whether logits processors apply (``penalize``): a token's logit depends on the history."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
 
 
 def make_generator(seed: int | None) -> torch.Generator:
@@ -55,13 +79,16 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     logits: [..., vocab] (any float dtype; computed in float32, or float64 if given float64).
     Returns probabilities of the same shape. For greedy params this is the one-hot of the
     argmax, so greedy decoding is the temperature -> 0 limit of the same code path.
-    Filtering order follows transformers: temperature, then top-k, then top-p.
+    Filtering order follows vLLM: temperature, then min-p, then top-k, then top-p (logits
+    processors, ``penalize``, come before all of them).
     """
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     logits = logits.to(dtype)
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(dtype)
     logits = logits / params.temperature
+    if params.min_p > 0:
+        logits = _min_p(logits, params.min_p)
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, -math.inf)
@@ -77,3 +104,57 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         logits = logits.masked_fill(drop, -math.inf)
     return logits.softmax(-1)
 
+
+
+def _min_p(logits: torch.Tensor, min_p: float | torch.Tensor) -> torch.Tensor:
+    """Tokens whose probability is below ``min_p`` times the most likely token's, at -inf:
+    ``log p(t) < log p_max + log min_p`` is ``logit(t) < max logit + log min_p``."""
+    floor = logits.amax(-1, keepdim=True) + torch.log(torch.as_tensor(min_p, dtype=logits.dtype, device=logits.device))
+    return logits.masked_fill(logits < floor, -math.inf)
+
+
+def penalize(logits: torch.Tensor, params: SamplingParams, history: Sequence[int], prompt_len: int,
+             paths: Sequence[Sequence[int]]) -> torch.Tensor:
+    """The logits processors of ``params`` at ``n`` scored positions of one sequence: float32 [n, V].
+
+    logits:  [n, V] raw logits, position ``j`` following ``history + paths[j]``
+    history: the sequence's ids before the first scored position; its output starts at ``prompt_len``
+    paths:   [n] the tokens between ``history`` and each position (a round's drafts before it)
+
+    In vLLM's order: ``logit_bias`` is added; then the repetition penalty (every prompt and output
+    token: a positive logit divided by it, a negative one multiplied); then OpenAI's frequency
+    and presence penalties over the output's counts. A change of the distribution itself, made
+    before sampling or verification: speculation verifies against the penalized ``p`` at each
+    position, with that position's own history, so it stays exact.
+    """
+    n, vocab = logits.shape
+    dev = logits.device
+    logits = logits.float().clone()
+    if params.logit_bias:
+        ids = [t for t, _ in params.logit_bias if t < vocab]
+        bias = [b for t, b in params.logit_bias if t < vocab]
+        if ids:
+            logits[:, torch.tensor(ids, device=dev)] += torch.tensor(bias, device=dev)
+    if not (params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0):
+        return logits
+    counts = torch.zeros(n, vocab, device=dev)
+    out = [t for t in history[prompt_len:] if t < vocab]
+    if out:
+        counts += torch.bincount(torch.tensor(out, device=dev), minlength=vocab)[:vocab].float()
+    rows = [j for j, path in enumerate(paths) for t in path if t < vocab]
+    if rows:
+        cols = [t for path in paths for t in path if t < vocab]
+        counts.index_put_((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
+                          torch.ones(len(rows), device=dev), accumulate=True)
+    if params.repetition_penalty != 1.0:
+        seen = counts > 0
+        prompt = [t for t in history[:prompt_len] if t < vocab]
+        if prompt:
+            seen[:, torch.tensor(prompt, device=dev)] = True
+        r = params.repetition_penalty
+        logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
+    if params.frequency_penalty:
+        logits -= params.frequency_penalty * counts
+    if params.presence_penalty:
+        logits -= params.presence_penalty * (counts > 0).float()
+    return logits

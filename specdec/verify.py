@@ -37,6 +37,8 @@ class Verdict:
     num_accepted: int
     num_drafted: int
     path: tuple[int, ...] | None = field(default=None, repr=False)
+    # When asked: per token, (its log-probability, ((id, log-probability) of the most likely, ...))
+    logprobs: tuple[tuple[float, tuple[tuple[int, float], ...]], ...] | None = field(default=None, repr=False)
 
     @property
     def bonus(self) -> bool:

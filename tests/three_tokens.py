@@ -7,12 +7,13 @@ with expectation < 5 pooled). The first token comes from the prefill, so three t
 room for one draft; ``length=4`` (81 cells) lets a round propose a chain of two.
 """
 
+import dataclasses
 import itertools
 
 import torch
 from scipy.stats import chisquare
 
-from specdec.sampling import SamplingParams, logits_to_probs
+from specdec.sampling import SamplingParams, logits_to_probs, penalize
 
 PARAMS = SamplingParams(temperature=1.0, top_k=3)
 CELLS = list(itertools.product(range(3), repeat=3))  # ranks within the top 3, not ids
@@ -22,14 +23,18 @@ def cells(length: int = 3) -> list[tuple[int, ...]]:
     return list(itertools.product(range(3), repeat=length))
 
 
-def exact_distribution(model, ids: list[int], length: int = 3) -> tuple[dict, dict]:
-    """(probability of each rank cell, cell of each ``length``-token continuation)."""
+def exact_distribution(model, ids: list[int], length: int = 3, params: SamplingParams = PARAMS) -> tuple[dict, dict]:
+    """(probability of each rank cell, cell of each ``length``-token continuation) under
+    ``params`` (top_k=3; logits processors applied to each continuation's own history)."""
     exact, cell_of = {}, {}
     with torch.inference_mode():
         for cell in cells(length):
             seq, prob = list(ids), 1.0
             for rank in cell:
-                p = logits_to_probs(model(input_ids=torch.tensor([seq])).logits[0, -1].double(), PARAMS)
+                logits = model(input_ids=torch.tensor([seq])).logits[0, -1:]
+                if params.penalized:
+                    logits = penalize(logits, params, seq, len(ids), [[]])
+                p = logits_to_probs(logits[0].double(), params)
                 token = int(torch.topk(p, 3).indices[rank])
                 prob *= float(p[token])
                 seq.append(token)
@@ -37,15 +42,16 @@ def exact_distribution(model, ids: list[int], length: int = 3) -> tuple[dict, di
     return exact, cell_of
 
 
-def batched_cells(engine, ids: list[int], n: int, mode: str, k: int = 2, length: int = 3) -> tuple[dict, dict, int]:
+def batched_cells(engine, ids: list[int], n: int, mode: str, k: int = 2, length: int = 3,
+                  params: SamplingParams = PARAMS) -> tuple[dict, dict, int]:
     """``n`` seeded ``length``-token samples of ``mode`` drawn 16 at a time through the step
     loop: (exact cell probabilities, observed counts, draft tokens proposed)."""
     model = engine.loop.target.runner.model
-    exact, cell_of = exact_distribution(model, ids, length)
+    exact, cell_of = exact_distribution(model, ids, length, params)
     counts, drafted = dict.fromkeys([*cells(length), "impossible"], 0), 0
     for base in range(0, n, 16):
         handles = [engine.loop.submit(engine.request(ids, max_tokens=length, mode=mode, k=k, ignore_eos=True,
-                                                     params=SamplingParams(PARAMS.temperature, top_k=3, seed=s)))
+                                                     params=dataclasses.replace(params, seed=s)))
                    for s in range(base, min(n, base + 16))]
         for h in handles:
             events = list(h)
@@ -63,24 +69,29 @@ def batched_pvalue(exact: dict, counts: dict, n: int) -> float:
     big = [i for i in range(len(keys)) if i not in small]
     obs = [obs[i] for i in big] + [sum(obs[i] for i in small)]
     exp = [exp[i] for i in big] + [sum(exp[i] for i in small)]
+    if exp[-1] == 0:  # every small cell impossible (min_p can empty one): nothing may land there
+        if obs[-1]:
+            return 0.0
+        obs, exp = obs[:-1], exp[:-1]
     return float(chisquare(obs, exp).pvalue)
 
 
-def batched_result(engine, ids: list[int], n: int, mode: str, k: int = 2, length: int = 3) -> dict:
+def batched_result(engine, ids: list[int], n: int, mode: str, k: int = 2, length: int = 3,
+                   params: SamplingParams = PARAMS) -> dict:
     """One batched chi-square run of ``mode``: ``{"p": p-value, "drafted": draft tokens,
     "impossible": continuations outside the target's top 3}``; ``p`` is None when there are
     impossible continuations (they already refute the distribution)."""
-    exact, counts, drafted = batched_cells(engine, ids, n, mode, k, length)
+    exact, counts, drafted = batched_cells(engine, ids, n, mode, k, length, params)
     p = None if counts["impossible"] else batched_pvalue(exact, counts, n)
     return {"p": p, "drafted": drafted, "impossible": counts["impossible"]}
 
 
 def batched_test_and_control(engine, ids: list[int], n: int, mode: str, monkeypatch, k: int = 2,
-                             length: int = 3) -> tuple[dict, dict]:
+                             length: int = 3, params: SamplingParams = PARAMS) -> tuple[dict, dict]:
     """The batched chi-square run of ``mode`` (``batched_result``), then its negative control:
     a verifier that accepts every draft (its output is the drafter's distribution)."""
     import specdec.batch.verify as batch_verify
 
-    honest = batched_result(engine, ids, n, mode, k, length)
+    honest = batched_result(engine, ids, n, mode, k, length, params)
     monkeypatch.setattr(batch_verify, "acceptance_probs", lambda x, q, p: torch.ones(len(x)))
-    return honest, batched_result(engine, ids, n, mode, k, length)
+    return honest, batched_result(engine, ids, n, mode, k, length, params)

@@ -13,13 +13,14 @@ row's ``Verdict`` here equals ``verify_greedy`` / ``verify_sampled`` on that row
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import torch
 
 from specdec import trees
-from specdec.sampling import SamplingParams, make_generator
+from specdec.sampling import SamplingParams, make_generator, penalize
 from specdec.verify import Verdict, acceptance_probs, residual_distribution
 
 
@@ -45,6 +46,15 @@ class VerifyRow:
     suppress: tuple[int, ...] = ()
     suppress_for: int = 0
     parents: tuple[int, ...] | None = None  # the drafts are a token tree (``specdec.trees``)
+    history: tuple[int, ...] | list[int] = ()  # the ids before the pending token's logits (penalties read it)
+    prompt_len: int = 0  # where the output starts in ``history``
+    logprobs: int | None = None  # report the emitted tokens' log-probabilities and this many top ones
+
+    def paths(self) -> list[list[int]]:
+        """[k + 1] the drafts between the history and each scored position (a tree: the ancestors')."""
+        if self.parents is None:
+            return [self.drafts[:j] for j in range(len(self.drafts) + 1)]
+        return [[], *([self.drafts[a] for a in trees.path_to(self.parents, i)] for i in range(len(self.drafts)))]
 
     @property
     def depths(self) -> list[int]:
@@ -58,11 +68,15 @@ def batched_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
     """``specdec.sampling.logits_to_probs`` for many rows at once, row ``j`` with ``params[j]``.
 
     logits: [N, vocab]; every params must be non-greedy. Returns float32 [N, vocab], equal
-    row for row to the scalar function (same operations, same order: temperature, top-k, top-p).
+    row for row to the scalar function (same operations, same order: temperature, min-p, top-k, top-p).
     """
     assert logits.dim() == 2 and logits.shape[0] == len(params), (logits.shape, len(params))
     vocab, dev = logits.shape[1], logits.device
     logits = logits.float() / torch.tensor([p.temperature for p in params], device=dev)[:, None]
+    min_p = torch.tensor([p.min_p for p in params], device=dev)
+    if (min_p > 0).any():  # log 0 = -inf: a row without min_p drops nothing
+        floor = logits.amax(-1, keepdim=True) + torch.log(min_p)[:, None]
+        logits = logits.masked_fill(logits < floor, -math.inf)
     top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else 0 for p in params], device=dev)
     if top_k.any():
         sorted_desc = torch.sort(logits, dim=-1, descending=True).values
@@ -96,7 +110,7 @@ def verify_batch(rows: list[VerifyRow], logits: torch.Tensor) -> list[Verdict]:
     for n in sizes:
         starts.append(starts[-1] + n)
     verdicts: list[Verdict | None] = [None] * len(rows)
-    logits = _suppress(rows, logits, starts)
+    logits = _suppress(rows, _penalize(rows, logits, starts), starts)
 
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
     if greedy:
@@ -115,7 +129,54 @@ def verify_batch(rows: list[VerifyRow], logits: torch.Tensor) -> list[Verdict]:
             p = p_all[at: at + sizes[i]]
             at += sizes[i]
             verdicts[i] = (_reject_sample if rows[i].parents is None else _sample_tree)(rows[i], p)
+    asked = [i for i, r in enumerate(rows) if r.logprobs is not None]
+    if asked:
+        verdicts = _with_logprobs(rows, verdicts, logits, starts, asked)
     return verdicts  # type: ignore[return-value]
+
+
+def _penalize(rows: list[VerifyRow], logits: torch.Tensor, starts: list[int]) -> torch.Tensor:
+    """``logits`` with each penalized row's processors applied (``specdec.sampling.penalize``) at
+    each of its positions, with that position's own history."""
+    penalized = [i for i, r in enumerate(rows) if r.params.penalized]
+    if not penalized:
+        return logits
+    logits = logits.float().clone()  # exact for the other rows (bf16 -> float32)
+    for i in penalized:
+        row = rows[i]
+        at = slice(starts[i], starts[i + 1])
+        logits[at] = penalize(logits[at], row.params, row.history, row.prompt_len, row.paths())
+    return logits
+
+
+def _with_logprobs(rows: list[VerifyRow], verdicts: list[Verdict], logits: torch.Tensor, starts: list[int],
+                   asked: list[int]) -> list[Verdict]:
+    """Each asking row's emitted tokens' log-probabilities, and its ``logprobs`` most likely tokens
+    at each of them, under the distribution plain decoding reads them from: the processed logits
+    (penalties, ``min_tokens``) after temperature (1 for greedy), before min-p / top-k / top-p
+    (vLLM's processed log-probabilities; OpenAI reports a full distribution). One log-softmax over
+    the emitted positions of every asking row; only numbers come back."""
+    index, temps = [], []
+    for i in asked:
+        v, row = verdicts[i], rows[i]
+        nodes = range(v.num_accepted) if v.path is None else v.path
+        positions = [0, *(n + 1 for n in nodes)]  # the root, then each accepted node's
+        index += [starts[i] + j for j in positions]
+        temps += [1.0 if row.params.greedy else row.params.temperature] * len(positions)
+    at = torch.tensor(index, device=logits.device)
+    logp = (logits[at].float() / torch.tensor(temps, device=logits.device)[:, None]).log_softmax(-1)
+    tokens = torch.tensor([t for i in asked for t in verdicts[i].tokens], device=logits.device)
+    chosen = logp.gather(-1, tokens[:, None])[:, 0].tolist()
+    most = max(rows[i].logprobs for i in asked)
+    top_v, top_i = (logp.topk(most, dim=-1) if most else (logp[:, :0], logp[:, :0].long()))
+    top_v, top_i = top_v.tolist(), top_i.tolist()
+    out, j = list(verdicts), 0
+    for i in asked:
+        n, want = len(verdicts[i].tokens), rows[i].logprobs
+        entries = tuple((chosen[j + m], tuple(zip(top_i[j + m][:want], top_v[j + m][:want]))) for m in range(n))
+        out[i] = dataclasses.replace(verdicts[i], logprobs=entries)
+        j += n
+    return out
 
 
 def _suppress(rows: list[VerifyRow], logits: torch.Tensor, starts: list[int]) -> torch.Tensor:

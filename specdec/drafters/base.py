@@ -20,7 +20,7 @@ import torch
 from specdec import trees
 from specdec.batch.blocks import BLOCK
 from specdec.batch.verify import batched_probs
-from specdec.sampling import SamplingParams, make_generator
+from specdec.sampling import SamplingParams, make_generator, penalize
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,7 @@ class DraftRow:
     blocks: tuple[int, ...] = ()
     stop_below: float = 0.0
     nodes: int = 0
+    prompt_len: int = 0  # where the output starts in ``context`` (the request's penalties count it)
 
     @property
     def capacity(self) -> int:
@@ -97,6 +98,21 @@ class BatchDrafter(Protocol):
 
     def release(self, key: str) -> None:
         """The sequence finished: drop any state kept for it."""
+
+
+def _penalized(logits: torch.Tensor, rows: list[tuple[DraftRow, list[list[int]]]]) -> torch.Tensor:
+    """A drafter's logits [sum of positions, V] with each penalized row's processors applied, as
+    the target's are (``specdec.sampling.penalize``), so its drafts follow the penalized
+    distribution; ``rows``: each row and the drafted tokens before each of its positions."""
+    if not any(row.params.penalized for row, _ in rows):
+        return logits
+    logits, at = logits.float().clone(), 0
+    for row, paths in rows:
+        n = len(paths)
+        if row.params.penalized:
+            logits[at: at + n] = penalize(logits[at: at + n], row.params, row.context, row.prompt_len, paths)
+        at += n
+    return logits
 
 
 class Chains:
@@ -131,6 +147,7 @@ class Chains:
         """Each live row's next draft token from its logits [len(live), V]: greedy or drawn from
         q with the row's generator; then the confidence stop (class docstring)."""
         rows = self.rows
+        logits = _penalized(logits, [(rows[i], [self.tokens[i]]) for i in live])
         sampled = [j for j, i in enumerate(live) if not rows[i].params.greedy]
         probs = batched_probs(logits[sampled], [rows[live[j]].params for j in sampled]) if sampled else None
         flat = logits.float()
@@ -230,6 +247,7 @@ class Trees:
         """Each live row's frontier scored: logits [sum over live rows of len(frontier), V], in
         frontier order, row after row."""
         rows = self.rows
+        logits = _penalized(logits, [(rows[i], [self._path(i, f) for f in self.grown[i].frontier]) for i in live])
         at = 0
         for i in live:
             g, row = self.grown[i], rows[i]
@@ -256,6 +274,14 @@ class Trees:
                 best = [j for j in best if g.value[j] > cut]
             g.frontier = best
         self.steps += 1
+
+    def _path(self, i: int, node: int) -> list[int]:
+        """The tokens from row ``i``'s pending token down to ``node``, inclusive."""
+        g, out = self.grown[i], []
+        while node != trees.ROOT:
+            out.append(g.tokens[node])
+            node = g.parents[node]
+        return out[::-1]
 
     def drafted(self, seconds: float | None = None) -> list[Proposal | None]:
         """Each row's tree (None for a row that drafts a chain): its ``nodes`` best candidates,

@@ -36,6 +36,8 @@ from specdec.policy import PolicyConfig
 from specdec.sampling import SamplingParams
 from specdec.stats import RoundStats, SpeculationSummary
 
+MAX_LOGPROBS = 20  # the most top log-probabilities a token reports (OpenAI's top_logprobs limit)
+
 log = logging.getLogger(__name__)
 
 __all__ = ["Completion", "Engine", "LocalDraft", "PromptTooLong", "RoundEvent", "draft_tokenizer", "eos_token_ids",
@@ -53,6 +55,7 @@ class Completion:
     policy_summary: dict = field(default_factory=dict)  # the speculation controller's
     ttft_s: float = 0.0
     total_s: float = 0.0
+    logprobs: list | None = None  # asked for: per token, (log-probability, ((id, log-probability), ...))
 
     @property
     def tokens_per_s(self) -> float:
@@ -213,7 +216,7 @@ class Engine:
     def request(self, prompt_ids: list[int], *, max_tokens: int, params: SamplingParams = SamplingParams(),
                 stop: list[str] | None = None, mode: str | None = None, k: int | None = None,
                 ignore_eos: bool = False, stop_token_ids: list[int] | None = None,
-                min_tokens: int = 0) -> GenerationRequest:
+                min_tokens: int = 0, logprobs: int | None = None) -> GenerationRequest:
         """The one place a request is validated and defaulted."""
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
@@ -221,6 +224,8 @@ class Engine:
             raise ValueError(f"min_tokens must lie in [0, max_tokens ({max_tokens})], got {min_tokens}")
         if not prompt_ids:
             raise ValueError("the prompt must have at least one token")
+        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must lie in [0, {MAX_LOGPROBS}], got {logprobs}")
         limit = self.max_length
         if limit is not None and len(prompt_ids) + max_tokens > limit:
             raise ValueError(
@@ -228,9 +233,23 @@ class Engine:
                 f"exceeds the model's context length ({limit})"
             )
         req = GenerationRequest(list(prompt_ids), max_tokens, params, self.resolve_mode(mode), k,
-                                tuple(stop or ()), ignore_eos, frozenset(stop_token_ids or ()), min_tokens)
+                                tuple(stop or ()), ignore_eos, frozenset(stop_token_ids or ()), min_tokens,
+                                logprobs)
         self.loop.check_fits(req)
         return req
+
+    def prompt_logprobs(self, ids: list[int], top: int) -> list[tuple[float, tuple[tuple[int, float], ...]]]:
+        """Each prompt token's log-probability after the ones before it (the first has none), and
+        the ``top`` most likely tokens there: one plain forward of the target (``echo``)."""
+        if len(ids) < 2:
+            return []
+        target = self.loop.target
+        local = isinstance(target, TargetStep)
+        logits = compute.run(target.score, ids, len(ids) - 1) if local else target.score(ids, len(ids) - 1)
+        logp = logits.float().log_softmax(-1)
+        chosen = logp.gather(-1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+        values, indices = logp.topk(top, dim=-1) if top else (logp[:, :0], logp[:, :0].long())
+        return [(lp, tuple(zip(i, v))) for lp, i, v in zip(chosen, indices.tolist(), values.tolist())]
 
     def stream(self, prompt_ids: list[int], **kwargs) -> Iterator[RoundEvent]:
         """The request's events as its rounds finish; closing the iterator cancels it."""
@@ -253,9 +272,11 @@ class Engine:
         mode = self.resolve_mode(kwargs.get("mode"))
         start = time.perf_counter()
         ttft = 0.0
-        texts, ids, rounds = [], [], []
+        texts, ids, rounds, logprobs = [], [], [], None
         finish, policy_summary = "length", {}
         for event in self.stream(prompt_ids, **kwargs):
+            if event.logprobs is not None:
+                logprobs = (logprobs or []) + list(event.logprobs)
             if not rounds:
                 ttft = time.perf_counter() - start
             texts.append(event.text)
@@ -273,6 +294,7 @@ class Engine:
             policy_summary=policy_summary,
             ttft_s=ttft,
             total_s=time.perf_counter() - start,
+            logprobs=logprobs,
         )
 
 

@@ -19,6 +19,8 @@ class RoundEvent:
     policy_summary: dict | None = None  # the speculation controller's summary, on the last event
     queued_s: float | None = None  # on the first event: from submit to admission into the batch
     cached_tokens: int | None = None  # on the first event: prompt tokens whose KV came from the prefix cache
+    # asked for: per token of ``token_ids``, (its log-probability, ((id, log-probability), ...) most likely first)
+    logprobs: tuple | None = None
 
 
 @dataclass(frozen=True)

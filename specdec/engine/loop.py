@@ -51,7 +51,7 @@ from specdec.engine.plan import (
 from specdec.engine.schedule import Candidate, GoodputGuard, StepCosts, allocate
 from specdec.engine.target import Drafting, StepResult, draft_all, draft_rows
 from specdec.policy import PolicyConfig, SpeculationPolicy
-from specdec.sampling import SamplingParams, logits_to_probs, make_generator
+from specdec.sampling import SamplingParams, logits_to_probs, make_generator, penalize
 from specdec.stats import RoundStats
 from specdec.text import TextStream
 
@@ -84,6 +84,7 @@ class GenerationRequest:
     ignore_eos: bool = False  # EOS does not end the request (stop_token_ids still do)
     stop_token_ids: frozenset[int] = frozenset()  # tokens that end the request, kept in the output
     min_tokens: int = 0  # no stop token or stop string ends the request before this many tokens
+    logprobs: int | None = None  # report each token's log-probability and this many most likely ones (0-20)
     tag: str | None = None  # what logs name the request by (its trace id), e.g. when its replay differs
 
 
@@ -445,6 +446,9 @@ class StepLoop:
         live.named = prefix_hashes(ids[: len(ids) - 1], start=live.named[: (len(ids) - 1) // BLOCK])
         # Batch-invariant numerics: a hit ends where a chunk does.
         hits = self.blocks.match(live.named, multiple=self.chunk // BLOCK if self.chunk else 1)
+        if self._sharing_a_prefill(live, len(hits)):
+            self.blocks.release(hits)
+            return False
         need = blocks_for(len(ids) + self._lookahead(live.req)) - len(hits)
         fresh = None
         if need + len(self._running) <= self.blocks.free_blocks:  # right after a hit's blocks if it can: one view
@@ -460,6 +464,26 @@ class StepLoop:
         self._running.append(live)
         self.peak_running = max(self.peak_running, len(self._running))
         return True
+
+    def _sharing_a_prefill(self, live: _Live, hit_blocks: int) -> bool:
+        """Whether a running request is prefilling more of ``live``'s prompt than the prefix
+        cache holds: ``live`` then waits for those blocks instead of computing them again (the
+        choices of one request, concurrent requests with one system prompt). A hit is whole
+        chunks under batch-invariant numerics, so only a shared prefix of whole chunks counts."""
+        if not self.blocks.caching:
+            return False
+        multiple = self.chunk // BLOCK if self.chunk else 1
+        for other in self._running:
+            if other.decoding or other.expected is not None:
+                continue
+            common = 0
+            for mine, theirs in zip(live.named, other.named):
+                if mine != theirs:
+                    break
+                common += 1
+            if common // multiple * multiple > hit_blocks:
+                return True
+        return False
 
     def _grow(self) -> None:
         """Every running request's blocks for its next step (oldest first); when the pool runs
@@ -545,7 +569,8 @@ class StepLoop:
             nodes = max(0, min(self.policy_config().tree_nodes, live.capacity - len(context) - 1))
         return Row(live.key, context, tuple(live.blocks), emits, mode=mode, k=k, stop_below=stop_below,
                    nodes=nodes, params=live.req.params, target_seed=round_seed(live.seed, index, TARGET),
-                   draft_seed=round_seed(live.seed, index, DRAFT), **self._suppressed(live))
+                   draft_seed=round_seed(live.seed, index, DRAFT), prompt_len=len(live.req.prompt_ids),
+                   logprobs=live.req.logprobs, **self._suppressed(live))
 
     def _candidate(self, live: _Live, cfg: PolicyConfig) -> Candidate:
         """This row's policy decision: its mode, its most k, and whether k is fixed."""
@@ -662,8 +687,9 @@ class StepLoop:
             delta += live.text.finish()
         summary = (live.policy.summary() if live.policy else {}) if finish else None
         first = index == 0
+        logprobs = None if verdict.logprobs is None else verdict.logprobs[: len(kept)]
         live.handle.put(RoundEvent(delta, kept, stats, finish, summary, live.queued_s if first else None,
-                                   live.cached_tokens if first else None))
+                                   live.cached_tokens if first else None, logprobs))
         if finish:
             self._finish(live)
         return len(tokens)
@@ -683,7 +709,7 @@ class StepLoop:
 
     def _replay(self, req: GenerationRequest, expected: list[int]) -> _Live:
         """A request again, speculation off, that must emit ``expected``."""
-        plain = dataclasses.replace(req, mode="off", k=None)
+        plain = dataclasses.replace(req, mode="off", k=None, logprobs=None)
         text = TextStream(self.tokenizer, stop=list(req.stop), min_tokens=req.min_tokens)
         return _Live(plain, Handle(uuid.uuid4().hex), 0, None, text, expected=list(expected), replayed=req)
 
@@ -722,6 +748,9 @@ class StepLoop:
         ids = req.prompt_ids + out
         logits = score(ids, len(out))
         stop = list(self._stop_ids(req))
+        if req.params.penalized:  # each position's processors read the output before it
+            logits = penalize(logits, req.params, req.prompt_ids, len(req.prompt_ids),
+                              [out[:j] for j in range(len(out))])
         if req.min_tokens and stop:  # the p the request was sampled from: stop ids suppressed this long
             logits[: req.min_tokens, [t for t in stop if t < logits.shape[-1]]] = -math.inf
         p = logits_to_probs(logits, req.params)

@@ -20,6 +20,7 @@ from specdec.sampling import SamplingParams
 
 _MASK64 = 0xFFFF_FFFF_FFFF_FFFF
 TARGET, DRAFT = 0, 1  # the two consumers of a round's randomness
+CHOICE = 2  # choice_seed's role: another choice of the same request
 DRAFT_RETRY_ROUNDS = 8  # plain rounds after a drafter failure before drafting again
 
 
@@ -34,6 +35,11 @@ def round_seed(request_seed: int, round_index: int, role: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return (z ^ (z >> 31)) >> 1
+
+
+def choice_seed(request_seed: int, index: int) -> int:
+    """Choice ``index``'s seed (``n`` / ``best_of``), from the request's: choice 0 keeps it."""
+    return request_seed if index == 0 else round_seed(request_seed, index, CHOICE)
 
 
 def cut_round(tokens: list[int], remaining: int, stop_ids: frozenset[int]) -> tuple[list[int], str | None]:
@@ -76,6 +82,8 @@ class Row:
     proposal: Proposal = EMPTY_PROPOSAL  # drafts made while planning (drafters that run in the loop)
     suppress: tuple[int, ...] = ()  # min_tokens: ids the target may not emit ...
     suppress_for: int = 0  # ... at this round's first positions
+    prompt_len: int = 0  # where the output starts in ``context`` (penalties count the output)
+    logprobs: int | None = None  # the request wants its tokens' log-probabilities (and this many top ones)
 
     @property
     def capacity(self) -> int:

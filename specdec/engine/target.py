@@ -44,7 +44,7 @@ class StepResult:
 
 
 def draft_rows(rows: list[Row]) -> list[DraftRow]:
-    return [DraftRow(r.key, r.context, r.k, r.params, r.draft_seed, r.blocks, r.stop_below, r.nodes)
+    return [DraftRow(r.key, r.context, r.k, r.params, r.draft_seed, r.blocks, r.stop_below, r.nodes, r.prompt_len)
             for r in rows]
 
 
@@ -112,7 +112,9 @@ class TargetStep:
         # 3. accept / reject over the flattened rows
         flat = torch.cat([lg for lg, r in zip(logits, plan.rows) if r.emits])
         verdicts = verify_batch([VerifyRow(proposals[r.key].tokens, r.params, r.target_seed, proposals[r.key].probs,
-                                           r.suppress, r.suppress_for, proposals[r.key].parents) for r in emitting], flat)
+                                           r.suppress, r.suppress_for, proposals[r.key].parents,
+                                           r.context if r.params.penalized else (), r.prompt_len, r.logprobs)
+                                 for r in emitting], flat)
         # 4. roll back: each row keeps its context and accepted drafts (a tree's path moved into place)
         self.runner.accept([(r.key, list(v.path)) for r, v in zip(emitting, verdicts) if v.path is not None])
         for r, v in zip(emitting, verdicts):
