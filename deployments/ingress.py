@@ -96,18 +96,29 @@ def _sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
 
 
+class _Choice:
+    """What one choice has said so far."""
+
+    def __init__(self):
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list = []  # Delta.logprobs entries
+        self.end: End | None = None
+        self.offset = 0  # completions' text_offset: characters before the next token
+
+
 class _Response:
     """Assembles OpenAI completion / chat completion objects from the router's events."""
 
     def __init__(self, request_id: str, model: str, chat: bool, return_token_ids: bool, start: Start,
-                 include_usage: bool = False, fingerprint: str | None = None):
+                 include_usage: bool = False, fingerprint: str | None = None, n: int = 1,
+                 logprobs: bool = False):
         self.id, self.model, self.chat = request_id, model, chat
         self.fingerprint = fingerprint
         self.return_token_ids, self.include_usage = return_token_ids, include_usage
+        self.logprobs = logprobs
         self.created = int(time.time())
-        self.text: list[str] = []
-        self.token_ids: list[int] = []
-        self.end: End | None = None
+        self.choices = [_Choice() for _ in range(n)]
         self.error: Error | None = None
         self.mode = start.mode
 
@@ -115,50 +126,90 @@ class _Response:
     def object(self) -> str:
         return "chat.completion" if self.chat else "text_completion"
 
+    @property
+    def ends(self) -> list[End]:
+        return [c.end for c in self.choices if c.end is not None]
+
+    @property
+    def end(self) -> End | None:
+        """The last choice's end, once every choice has ended."""
+        ends = self.ends
+        return ends[-1] if len(ends) == len(self.choices) else None
+
     def add(self, event: UnitEvent) -> None:
         if isinstance(event, Delta):
-            self.text.append(event.text)
-            self.token_ids.extend(event.token_ids)
+            choice = self.choices[event.index]
+            choice.text.append(event.text)
+            choice.token_ids.extend(event.token_ids)
+            choice.logprobs.extend(event.logprobs or ())
         elif isinstance(event, End):
-            self.end = event
+            self.choices[event.index].end = event
         elif isinstance(event, Error):
             self.error = event
 
     def _usage(self) -> dict:
-        p, c = self.end.prompt_tokens, self.end.completion_tokens
+        ends = self.ends
+        p, c = ends[0].prompt_tokens, sum(e.completion_tokens for e in ends)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-                "prompt_tokens_details": {"cached_tokens": self.end.cached_tokens}}
+                "prompt_tokens_details": {"cached_tokens": ends[0].cached_tokens},
+                **savings([e.speculation for e in ends], c)}
 
-    def _finish(self) -> str:
-        reason = self.end.finish_reason
+    @staticmethod
+    def _finish(end: End) -> str:
+        reason = end.finish_reason
         return reason if reason in ("stop", "length") else "stop"
 
-    def final(self) -> dict:
-        text = "".join(self.text)
+    def _logprobs(self, choice: _Choice, entries: list) -> dict | None:
+        """OpenAI's logprobs object for ``entries`` (Delta.logprobs items)."""
+        if not self.logprobs:
+            return None
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None}
+            def one(text, lp):
+                return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+            return {"content": [{**one(text, lp), "top_logprobs": [one(t, v) for t, v in top or ()]}
+                                for text, lp, top in entries], "refusal": None}
+        offsets = []
+        for text, _, _ in entries:
+            offsets.append(choice.offset)
+            choice.offset += len(text)
+        return {"tokens": [text for text, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
+                "top_logprobs": [None if top is None else dict(top) for _, _, top in entries],
+                "text_offset": offsets}
+
+    def _choice(self, index: int) -> dict:
+        choice = self.choices[index]
+        text = "".join(choice.text)
+        if self.chat:
+            out = {"index": index, "message": {"role": "assistant", "content": text}}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None}
-        choice["finish_reason"] = self._finish()
+            out = {"index": index, "text": text}
+        out["logprobs"] = self._logprobs(choice, choice.logprobs)
+        out["finish_reason"] = self._finish(choice.end)
         if self.return_token_ids:
-            choice["token_ids"] = self.token_ids
+            out["token_ids"] = choice.token_ids
+        return out
+
+    def final(self) -> dict:
         return {
             "id": self.id,
             "object": self.object,
             "created": self.created,
             "model": self.model,
             "system_fingerprint": self.fingerprint,
-            "choices": [choice],
+            "choices": [self._choice(i) for i in range(len(self.choices))],
             "usage": self._usage(),
-            "speculation": self.end.speculation,
+            "speculation": self.ends[0].speculation,  # the first choice's (each choice's chunks carry its own)
         }
 
-    def _chunk(self, text: str, token_ids: list[int] | None, finish: str | None, first: bool = False) -> dict:
+    def _chunk(self, index: int, text: str, token_ids: list[int] | None, finish: str | None, first: bool = False,
+               logprobs: list | None = None) -> dict:
         if self.chat:
             delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "delta": delta}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "text": text}
+        choice["logprobs"] = self._logprobs(self.choices[index], logprobs) if logprobs else None
+        choice["finish_reason"] = finish
         if self.return_token_ids and token_ids is not None:
             choice["token_ids"] = token_ids
         obj = "chat.completion.chunk" if self.chat else "text_completion"
@@ -168,28 +219,43 @@ class _Response:
     async def sse(self, events):
         """The stream's chunks; it always ends with ``[DONE]``, after an error object if the
         unit failed (even if its replica died mid-stream)."""
-        first = True
+        first = set(range(len(self.choices)))
         try:
             async for event in events:
                 self.add(event)
                 if isinstance(event, Delta):
-                    yield _sse(self._chunk(event.text, event.token_ids, None, first))
-                    first = False
+                    yield _sse(self._chunk(event.index, event.text, event.token_ids, None, event.index in first,
+                                           event.logprobs))
+                    first.discard(event.index)
+                elif isinstance(event, End):
+                    last = self._chunk(event.index, "", [], self._finish(event))
+                    last["speculation"] = event.speculation
+                    yield _sse(last)
                 elif isinstance(event, Error):
                     yield _sse(error_body(event.message, type_="server_error"))
         except Exception as exc:  # the router replica died or the call failed
             log.warning("stream %s failed: %s", self.id, type(exc).__name__)
             yield _sse(error_body(_unit_failed(exc), type_="server_error", code="unit_failed"))
-        if self.end is not None:
-            last = self._chunk("", [], self._finish())
-            last["speculation"] = self.end.speculation
-            yield _sse(last)
-            if self.include_usage:  # OpenAI: one more chunk, no choices, the usage
-                usage = {"id": self.id, "object": last["object"], "created": self.created, "model": self.model,
-                         "system_fingerprint": self.fingerprint,
-                         "choices": [], "usage": self._usage()}
-                yield _sse(usage)
+        if self.end is not None and self.include_usage:  # OpenAI: one more chunk, no choices, the usage
+            usage = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                     "created": self.created, "model": self.model, "system_fingerprint": self.fingerprint,
+                     "choices": [], "usage": self._usage()}
+            yield _sse(usage)
         yield _sse("[DONE]")
+
+
+def savings(speculation: list[dict], completion_tokens: int) -> dict:
+    """What speculation did for these choices, in billing terms: OpenAI's prediction-token
+    details (drafted tokens the target kept and threw away), and the target's forward passes
+    against the plain-decoding count (one per output token)."""
+    drafted = sum(s.get("drafted_tokens", 0) for s in speculation)
+    accepted = sum(s.get("accepted_tokens", 0) for s in speculation)
+    passes = sum(s.get("rounds", 0) + 1 for s in speculation)  # decode rounds + the prefill's
+    plain = completion_tokens
+    return {"completion_tokens_details": {"accepted_prediction_tokens": accepted,
+                                          "rejected_prediction_tokens": drafted - accepted},
+            "speculation": {"target_passes": passes, "plain_passes": plain, "passes_saved": plain - passes,
+                            "drafted_tokens": drafted, "accepted_tokens": accepted}}
 
 
 @dataclass(frozen=True)
@@ -215,7 +281,7 @@ def _unavailable(exc: BaseException) -> JSONResponse:
     return response
 
 
-def _unit_request(body, inputs: dict, http: Request, request_id: str) -> UnitRequest:
+def _unit_request(body, inputs: dict, http: Request, request_id: str, grammar: tuple) -> UnitRequest:
     """What the unit is asked for: the parsed body, defaulted once."""
     spec = body.speculation
     return UnitRequest(
@@ -237,6 +303,18 @@ def _unit_request(body, inputs: dict, http: Request, request_id: str) -> UnitReq
         # tracing is on (it already has the caller's traceparent as its parent), else the
         # caller's traceparent header.
         trace_context=telemetry.inject() or telemetry.carrier_from_headers(http.headers),
+        logprobs=body.asked_logprobs,
+        echo=bool(getattr(body, "echo", False)),
+        n=body.n,
+        best_of=getattr(body, "best_of", None) or body.n,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        min_p=body.min_p,
+        logit_bias=body.bias,
+        user=(body.model_extra or {}).get("user") if isinstance((body.model_extra or {}).get("user"), str) else None,
+        grammar_param=grammar[0],
+        grammar=grammar[1],
     )
 
 
@@ -294,11 +372,15 @@ class Ingress:
             return _error(400, refused[1], param=refused[0], code="unsupported")
         if broken := limits.check_request(body, limits.current()):
             return _error(400, broken[1], param=broken[0], code="limit_exceeded")
+        try:
+            grammar = body.grammar()
+        except ValueError as exc:
+            return _error(400, str(exc), param="response_format", code="invalid_value")
         # Serve's request id (a client's x-request-id, or one the proxy made) is echoed in the
         # x-request-id response header by Serve itself; our object ids carry it too.
         serve_id = serve.context._get_serve_request_context().request_id or uuid.uuid4().hex
         request_id = ("chatcmpl-" if chat else "cmpl-") + serve_id
-        req = _unit_request(body, inputs, http, request_id)
+        req = _unit_request(body, inputs, http, request_id, grammar)
         events = unit.router.generate.remote(req)
         try:
             first = await events.__anext__()
@@ -318,7 +400,8 @@ class Ingress:
         # The fingerprint comes from the replica that answers: in a rolling upgrade, old and new
         # configurations answer side by side.
         response = _Response(request_id, unit.name, chat, body.return_token_ids, first,
-                             body.include_usage, first.fingerprint)
+                             body.include_usage, first.fingerprint, n=body.n,
+                             logprobs=body.asked_logprobs is not None)
         if body.stream:
             return StreamingResponse(
                 response.sse(events), media_type="text/event-stream", headers=headers

@@ -59,6 +59,10 @@ class UnitMetrics:
         self.cached_tokens = c("specdec_prompt_cached_tokens",
                                "Prompt tokens whose KV came from the prefix cache (not prefilled again).")
         self.tokens = c("specdec_output_tokens", "Output tokens.")
+        # what speculation saved, in billing terms: plain decoding takes one target pass per
+        # output token, so output_tokens - target_passes passes were saved
+        self.passes = c("specdec_target_passes", "Target forward passes that emitted tokens (one per round, "
+                        "the prefill's included).")
         self.e2e = h("specdec_e2e_request_latency_seconds", "Request latency in the unit.", _E2E)
         self.queue = h("specdec_request_queue_time_seconds", "Submit to admission into the step loop.", _QUEUE)
         self.ttft = h("specdec_ttft_seconds", "Time to first token, in the unit.", _LATENCY)
@@ -114,7 +118,7 @@ class UnitMetrics:
                 self.pos_accepted.inc(1, tags=at)
 
     def request(self, mode: str, *, prompt_tokens: int, tokens: int, finish: str, ttft_s: float,
-                total_s: float, controller: dict) -> None:
+                total_s: float, controller: dict, passes: int = 0) -> None:
         """A finished request (``finish``: stop, length, cancelled or error). Latencies of a
         request that produced nothing are not observed: there was no first token."""
         tags = {"mode": mode}
@@ -127,6 +131,8 @@ class UnitMetrics:
         if not tokens:
             return
         self.tokens.inc(tokens, tags=tags)
+        if passes:
+            self.passes.inc(passes, tags=tags)
         self.e2e.observe(total_s, tags=tags)
         self.ttft.observe(ttft_s, tags=tags)
         if tokens > 1:

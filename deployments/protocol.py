@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
@@ -9,6 +10,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_validator
 
 from specdec.config import Mode
+from specdec.grammar import GrammarSpec
 
 
 class SpeculationOptions(BaseModel):
@@ -18,16 +20,37 @@ class SpeculationOptions(BaseModel):
 
 
 # OpenAI options that change the answer and that this server does not implement: refused (400)
-# unless neutral. Penalties are among them: applied to p alone they would break exactness, and
-# applying them to both p and q at every position is not done yet.
-UNSUPPORTED = (
-    "logprobs", "top_logprobs", "echo", "best_of", "suffix", "logit_bias", "presence_penalty",
-    "frequency_penalty", "repetition_penalty", "min_p", "response_format", "tools",
-    "tool_choice", "functions", "function_call", "parallel_tool_calls", "guided_json", "guided_regex",
-)
+# unless neutral.
+UNSUPPORTED = ("suffix", "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls")
 
 
 INT32_MAX, INT64_MAX = 2**31 - 1, 2**63 - 1
+MAX_CHOICES = 16  # n and best_of: choices one request may ask for
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs (the engine's too)
+MAX_LOGIT_BIAS = 300  # entries in logit_bias (OpenAI's limit)
+
+
+class JsonSchema(BaseModel):
+    model_config = ConfigDict(extra="allow")  # description, ...
+    name: StrictStr = "response"
+    schema_: dict = Field(alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: one of these."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict | StrictStr | None = Field(None, alias="json")
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = Field(None, min_length=1)
+    grammar: StrictStr | None = None
 
 
 class StreamOptions(BaseModel):
@@ -53,7 +76,21 @@ class _Common(BaseModel):
     stop: StrictStr | list[StrictStr] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1, description="One choice per request.")
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="Choices sampled independently for the prompt (its "
+                   "prefill shared); with a seed, choice i is seeded from it reproducibly.")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0, description="vLLM's: over prompt and output tokens.")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="vLLM's: after temperature.")
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS, description="Token id (a string, as OpenAI's) -> bias added to its logit.")
+    # Structured output: OpenAI's response_format, or vLLM's names (at most one of them).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = Field(None, min_length=1)
+    guided_grammar: StrictStr | None = None
     speculation: SpeculationOptions | None = None
     return_token_ids: StrictBool = False
     ignore_eos: StrictBool = Field(False, description="Generate max_tokens tokens whatever EOS says (vLLM's).")
@@ -61,7 +98,7 @@ class _Common(BaseModel):
         None, max_length=64, description="Token ids that end the answer, kept in it (vLLM's)."
     )
 
-    @field_validator("temperature", "top_p")
+    @field_validator("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
     @classmethod
     def _finite(cls, v: float) -> float:
         if not math.isfinite(v):
@@ -75,6 +112,46 @@ class _Common(BaseModel):
         if any(not s for s in stops):
             raise ValueError("stop strings must not be empty")
         return stops
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, v):
+        for key in v or {}:
+            if not key.isdigit() or int(key) > INT32_MAX:
+                raise ValueError(f"keys must be token ids (non-negative integers as strings), got {key[:40]!r}")
+        return v
+
+    @property
+    def bias(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as (token id, bias), ids ascending."""
+        return tuple(sorted((int(k), float(b)) for k, b in (self.logit_bias or {}).items()))
+
+    def grammar(self) -> tuple[str, GrammarSpec | None]:
+        """(the field that set it, what the output must match); ValueError for two at once or a
+        json_schema format without its schema."""
+        found: list[tuple[str, GrammarSpec]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("response_format", GrammarSpec("json_object")))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None:
+                raise ValueError("response_format: a json_schema format needs its json_schema")
+            found.append(("response_format", GrammarSpec("json_schema", json.dumps(rf.json_schema.schema_))))
+        so = self.structured_outputs
+        named = [("guided_json", self.guided_json, "json_schema"), ("guided_regex", self.guided_regex, "regex"),
+                 ("guided_choice", self.guided_choice, "choice"), ("guided_grammar", self.guided_grammar, "grammar")]
+        if so is not None:
+            named += [("structured_outputs.json", so.json_, "json_schema"), ("structured_outputs.regex", so.regex, "regex"),
+                      ("structured_outputs.choice", so.choice, "choice"),
+                      ("structured_outputs.grammar", so.grammar, "grammar")]
+        for param, value, kind in named:
+            if value is None:
+                continue
+            source = value if isinstance(value, str) and kind != "choice" else json.dumps(value)
+            found.append((param, GrammarSpec(kind, source)))
+        if len(found) > 1:
+            raise ValueError(f"{found[0][0]} and {found[1][0]}: one structured output at a time")
+        return found[0] if found else ("response_format", None)
 
     @property
     def include_usage(self) -> bool:
@@ -106,6 +183,28 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: StrictStr | list[StrictStr]
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="Each token's log-probability "
+                                 "and this many most likely tokens at its position.")
+    echo: StrictBool = Field(False, description="The prompt comes back before the completion (with logprobs: "
+                             "the prompt tokens' log-probabilities too).")
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES, description="Sample this many and return the n "
+                                "with the highest log-probability (not with stream).")
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _false_is_absent(cls, v):
+        return None if v is False else v
+
+    @property
+    def asked_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def refuse_unsupported(self) -> tuple[str, str] | None:
+        if self.best_of is not None and self.best_of < self.n:
+            return "best_of", f"best_of ({self.best_of}) must be at least n ({self.n})"
+        if self.stream and self.best_of is not None and self.best_of > self.n:
+            return "best_of", "best_of above n cannot be streamed"
+        return super().refuse_unsupported()
 
     @field_validator("prompt")
     @classmethod
@@ -137,6 +236,22 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: StrictBool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def refuse_unsupported(self) -> tuple[str, str] | None:
+        if self.top_logprobs and not self.logprobs:
+            return "top_logprobs", "top_logprobs requires logprobs to be true"
+        extra = self.model_extra or {}
+        for name in ("echo", "best_of"):  # completions' options
+            value = extra.get(name)
+            if value is not None and value is not False and not (name == "best_of" and value == 1):
+                return name, f"'{name}' is only supported by /v1/completions"
+        return super().refuse_unsupported()
+
+    @property
+    def asked_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 @dataclass(frozen=True)
@@ -159,6 +274,18 @@ class UnitRequest:
     mode: str | None  # speculation.mode; None: the unit's default
     k: int | None  # speculation.num_speculative_tokens
     trace_context: dict = field(default_factory=dict)
+    logprobs: int | None = None  # each token's log-probability and this many top ones; None: not asked
+    echo: bool = False  # the prompt first (completions), with its tokens' log-probabilities if asked
+    n: int = 1  # choices returned
+    best_of: int = 1  # choices sampled (>= n; the n most likely are returned)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    user: str | None = None  # the tenant: the trace and the savings it records carry it
+    grammar: GrammarSpec | None = None  # structured output
+    grammar_param: str = "response_format"  # the field that asked for it (a refusal names it)
 
     @property
     def chat(self) -> bool:
@@ -181,15 +308,19 @@ class Start:
 
 @dataclass(frozen=True)
 class Delta:
-    """One round's new text and token ids."""
+    """One round's new text and token ids (of choice ``index``). ``logprobs``, when asked: per
+    token, (its text, its log-probability or None, [(text, log-probability), ...] most likely
+    first, or None): the first echoed prompt token has no log-probability."""
 
     text: str
     token_ids: list[int]
+    index: int = 0
+    logprobs: list[tuple[str, float | None, list[tuple[str, float]] | None]] | None = None
 
 
 @dataclass(frozen=True)
 class End:
-    """The request finished: why, what it used, and what speculation did (``speculation``:
+    """Choice ``index`` finished: why, what it used, and what speculation did (``speculation``:
     ``SpeculationSummary`` fields plus the controller's summary)."""
 
     finish_reason: str
@@ -198,6 +329,7 @@ class End:
     speculation: dict
     trace_id: str | None = None
     cached_tokens: int = 0  # prompt tokens whose KV came from the unit's prefix cache
+    index: int = 0
 
 
 @dataclass(frozen=True)

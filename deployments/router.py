@@ -25,10 +25,11 @@ from deployments.config import UnitArgs, unit_fingerprint
 from deployments.metrics import UnitMetrics
 from deployments.protocol import Delta, End, Error, Start, UnitRequest
 from deployments.workers import DraftWorker, RemoteDraft, RemoteTarget, TargetWorker
-from specdec import compute, telemetry
+from specdec import compute, grammar, telemetry
 from specdec.loading import check_same_vocabulary
 from specdec.engine import Engine, PromptTooLong, draft_tokenizer, target_tokenizer
 from specdec.engine.loop import GenerationRequest
+from specdec.engine.plan import choice_seed
 from specdec.policy import PolicyConfig
 from specdec.sampling import SamplingParams
 from specdec.stats import SpeculationSummary
@@ -179,43 +180,141 @@ class SpecRouter:
         if req.min_tokens > max_tokens:
             raise RequestError(f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens})",
                                "min_tokens")
+        vocab = len(engine.tokenizer)
+        if any(t >= vocab for t, _ in req.logit_bias):
+            raise RequestError(f"logit_bias: token ids must be below the vocabulary size ({vocab})", "logit_bias")
         try:
-            params = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed)
+            params = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed,
+                                    min_p=req.min_p, presence_penalty=req.presence_penalty,
+                                    frequency_penalty=req.frequency_penalty,
+                                    repetition_penalty=req.repetition_penalty, logit_bias=req.logit_bias)
         except ValueError as exc:
             raise RequestError(str(exc), "temperature") from exc
+        if req.grammar is not None:
+            try:
+                grammar.tracker().grammars.compile(req.grammar)
+            except ValueError as exc:
+                raise RequestError(str(exc), req.grammar_param, "invalid_value") from exc
+        logprobs = req.logprobs
+        if req.best_of > req.n and logprobs is None:
+            logprobs = 0  # best_of ranks the choices by their log-probability
         try:
             return engine.request(ids, max_tokens=max_tokens, params=params, stop=req.stop, mode=mode,
                                   k=req.k,  # the policy caps it at the operator's k_max
                                   ignore_eos=req.ignore_eos, stop_token_ids=req.stop_token_ids,
-                                  min_tokens=req.min_tokens)
+                                  min_tokens=req.min_tokens, logprobs=logprobs, grammar=req.grammar)
         except ValueError as exc:
             raise RequestError(str(exc), "max_tokens") from exc
 
     async def generate(self, req: UnitRequest):
-        """The request's typed events: ``Start``, ``Delta`` per round, ``End``; or one ``Error``
-        (400 before ``Start`` for a refused request, 500 if the unit failed it)."""
+        """The request's typed events: ``Start``, then each choice's ``Delta`` per round and its
+        ``End``; or one ``Error`` (400 before ``Start`` for a refused request, 500 if the unit
+        failed it)."""
         try:  # tokenizing a long prompt is CPU work: off the event loop
             greq = await asyncio.to_thread(self._prepare, req)
+            echoed = await self._echo(req, greq)
         except RequestError as exc:
             yield Error(400, str(exc), exc.param, exc.code)
             return
         try:
-            async for event in self._run(req, greq):
+            async for event in self._choices(req, greq, echoed):
                 yield event
         except Exception as exc:  # never let a request take the replica down
             log.exception("request failed")
             yield Error(500, f"internal error: {type(exc).__name__}")
 
-    async def _run(self, req: UnitRequest, greq: GenerationRequest):
+    async def _echo(self, req: UnitRequest, greq: GenerationRequest) -> Delta | None:
+        """``echo``: the prompt as the first Delta of each choice, with its tokens'
+        log-probabilities from one plain forward when asked (the first token has none)."""
+        if not req.echo:
+            return None
+        ids, logprobs = greq.prompt_ids, None
+        if req.logprobs is not None:
+            scored = await asyncio.to_thread(self.engine.prompt_logprobs, ids, req.logprobs)
+            logprobs = [(self._piece(ids[0]), None, None), *self._named(ids[1:], scored)]
+        return Delta(req.prompt or "", [], 0, logprobs)  # token_ids stay the completion's
+
+    def _piece(self, token: int) -> str:
+        return self.engine.tokenizer.decode([token])
+
+    def _named(self, tokens: list[int], logprobs) -> list:
+        """Delta.logprobs for ``tokens`` and their engine log-probabilities: ids become text."""
+        return [(self._piece(t), lp, [(self._piece(i), v) for i, v in top]) for t, (lp, top) in zip(tokens, logprobs)]
+
+    async def _choices(self, req: UnitRequest, greq: GenerationRequest, echoed: Delta | None):
+        """Every choice's events, merged: ``best_of`` choices run side by side in the step loop
+        (the loop shares their prompt's blocks), each seeded from the request's seed; with
+        ``best_of > n`` the n with the highest log-probability are returned, renumbered."""
+        count = max(req.n, req.best_of)
+        queue: asyncio.Queue = asyncio.Queue()
+        tasks = [asyncio.create_task(self._choice(req, self._seeded(greq, i), i, queue)) for i in range(count)]
+        keep = req.best_of > req.n
+        held: dict[int, list] = {i: [] for i in range(count)}
+        try:
+            ended = 0
+            while ended < count:
+                event = await queue.get()
+                if isinstance(event, BaseException):
+                    raise event
+                if isinstance(event, Start):
+                    yield event
+                    if echoed is not None and not keep:
+                        for i in range(count):
+                            yield dataclasses.replace(echoed, index=i)
+                    continue
+                ended += isinstance(event, End)
+                if keep:
+                    held[event.index].append(event)
+                    continue
+                if isinstance(event, Delta) and req.logprobs is None:
+                    event = dataclasses.replace(event, logprobs=None)
+                yield event
+        finally:
+            for task in tasks:
+                task.cancel()
+        if keep:
+            def score(i: int) -> float:
+                return sum(lp for e in held[i] if isinstance(e, Delta) for _, lp, _ in e.logprobs or () if lp is not None)
+            for new, old in enumerate(sorted(range(count), key=lambda i: (-score(i), i))[: req.n]):
+                if echoed is not None:
+                    yield dataclasses.replace(echoed, index=new)
+                for event in held[old]:
+                    if isinstance(event, Delta) and req.logprobs is None:
+                        event = dataclasses.replace(event, logprobs=None)
+                    yield dataclasses.replace(event, index=new)
+
+    @staticmethod
+    def _seeded(greq: GenerationRequest, index: int) -> GenerationRequest:
+        """Choice ``index``: the request's seed for the first, one derived from it for the others."""
+        seed = greq.params.seed
+        if index == 0 or seed is None:  # no seed: each choice draws its own
+            return greq
+        return dataclasses.replace(greq, params=dataclasses.replace(greq.params, seed=choice_seed(seed, index)))
+
+    async def _choice(self, req: UnitRequest, greq: GenerationRequest, index: int, queue: asyncio.Queue) -> None:
+        try:
+            async for event in self._run(req, greq, index):
+                queue.put_nowait(event)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            queue.put_nowait(exc)
+
+    async def _run(self, req: UnitRequest, greq: GenerationRequest, index: int = 0):
         params, prompt_tokens = greq.params, len(greq.prompt_ids)
         attrs = telemetry.request_attributes(
             operation="chat" if req.chat else "text_completion", model=self.model_name,
             request_id=req.request_id, max_tokens=greq.max_tokens, temperature=params.temperature,
             top_p=params.top_p, top_k=params.top_k, seed=params.seed, mode=greq.mode,
         )
+        if req.user:
+            attrs["enduser.id"] = req.user  # the tenant: what speculation saved, per user
+        if max(req.n, req.best_of) > 1:
+            attrs["specdec.choice"] = index
         with telemetry.request_span(carrier=req.trace_context, attributes=attrs,
                                     trust_incoming=self.args.trace_trust_incoming) as trace:
-            yield Start(prompt_tokens, greq.mode, telemetry.inject(trace.span).get("traceparent"), self.fingerprint)
+            if index == 0:
+                yield Start(prompt_tokens, greq.mode, telemetry.inject(trace.span).get("traceparent"), self.fingerprint)
             trace_id = trace.span.get_span_context().trace_id.to_bytes(16, "big").hex()
             greq = dataclasses.replace(greq, tag=f"trace {trace_id} (x-request-id {req.request_id})")
             produced, finish, controller, cached = 0, None, {}, None
@@ -232,7 +331,8 @@ class SpecRouter:
                     finish = event.finish_reason
                     controller = event.policy_summary or controller
                     cached = event.cached_tokens if event.cached_tokens is not None else cached
-                    yield Delta(event.text, event.token_ids)
+                    logprobs = None if event.logprobs is None else self._named(event.token_ids, event.logprobs)
+                    yield Delta(event.text, event.token_ids, index, logprobs)
             except (asyncio.CancelledError, GeneratorExit):  # the client went away: its handle is cancelled
                 finish = "cancelled"
                 raise
@@ -240,12 +340,12 @@ class SpecRouter:
                 self.metrics.set_active(greq.mode, -1)
                 self.metrics.request(greq.mode, prompt_tokens=prompt_tokens, tokens=produced,
                                      finish=finish or "error", ttft_s=ttft, total_s=time.perf_counter() - start,
-                                     controller=controller)
+                                     controller=controller, passes=len(trace.stats))
             summary = SpeculationSummary.from_rounds(greq.mode, trace.stats)
             trace.finish(mode=summary.mode, finish_reason=finish, input_tokens=prompt_tokens, output_tokens=produced,
                          cached_tokens=cached)
             yield End(finish, prompt_tokens, produced, {**summary.to_dict(), **controller},
-                      trace.span.get_span_context().trace_id.to_bytes(16, "big").hex(), cached or 0)
+                      trace.span.get_span_context().trace_id.to_bytes(16, "big").hex(), cached or 0, index)
 
     def check_health(self) -> None:
         """Every worker answers (in process: the step loop is alive). A busy target answers

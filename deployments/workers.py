@@ -24,7 +24,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 from deployments.contexts import MissingContext, Receiver, Sender
-from specdec import compute, telemetry
+from specdec import compute, grammar, telemetry
 from specdec.config import ModelConfig, SpeculationConfig
 from specdec.drafters.base import Drafted, DraftRow
 from specdec.engine import load_draft_step, load_target_step, target_tokenizer
@@ -87,6 +87,10 @@ class TargetWorker:
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
+    def score(self, ids: list[int], n: int):
+        """``TargetStep.score``: the logits of the last ``n`` tokens of ``ids`` (echo, the quality guard)."""
+        return compute.run(self.target.score, ids, n)
+
     def step(self, plan: StepPlan, bases: dict[str, tuple[int, int]], external: Drafted | None, release: list[str]) -> StepResult:
         """``plan``'s rows carry their new tokens only (``deployments.contexts``)."""
         plan = StepPlan(self._contexts.restore(plan.rows, bases, release))
@@ -100,8 +104,9 @@ class DraftWorker:
         """``target_info``: ``[ref]`` to the TargetWorker's ``info()`` (wrapped, so that Ray does
         not wait for it before starting this process): the draft's pool is the target's size."""
         _setup_process("specdec-draft", trace_sample_ratio, torch_threads)
-        capacity_tokens = ray.get(target_info[0])["capacity_tokens"]
-        self.draft = compute.run(load_draft_step, models, speculation, capacity_tokens)
+        info = ray.get(target_info[0])
+        self.draft = compute.run(load_draft_step, models, speculation, info["capacity_tokens"])
+        grammar.configure(target_tokenizer(models), sorted(info["eos_token_ids"]))  # drafts stay inside grammars
         self._contexts = Receiver()
 
     def ready(self) -> bool:
@@ -115,6 +120,8 @@ class DraftWorker:
 
     def propose(self, rows: list[DraftRow], bases: dict[str, tuple[int, int]], release: list[str]) -> Drafted:
         """``rows`` carry their new tokens only (``deployments.contexts``)."""
+        for key in release:
+            grammar.release(key)
         return compute.run(self.draft.propose, self._contexts.restore(rows, bases, release), release)
 
 
@@ -162,6 +169,10 @@ class RemoteTarget:
             self.contexts.sent(plan.rows)
             return result
         raise AssertionError("unreachable")
+
+    def score(self, ids: list[int], n: int):
+        """The worker's ``TargetStep.score``."""
+        return ray.get(self.actor.score.remote(ids, n), timeout=self.timeout_s)
 
     def _wait_alive(self) -> None:
         deadline = time.monotonic() + (self.timeout_s or 120.0)

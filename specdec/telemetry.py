@@ -313,6 +313,10 @@ class RequestTrace:
             "specdec.mean_accepted_length": summary.mean_accepted_length,
             "specdec.draft_ms": summary.draft_s * 1e3,
             "specdec.verify_ms": summary.verify_s * 1e3,
+            # savings in billing terms: the target's passes (one per round, the prefill's
+            # included) against plain decoding's (one per output token)
+            "specdec.target_passes": summary.rounds + 1 if rounds else 0,
+            "specdec.plain_passes": output_tokens,
         }
         if mode:
             attrs["specdec.mode"] = mode

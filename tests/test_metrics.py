@@ -200,6 +200,10 @@ def test_speculation_series_are_per_mode_and_add_up_to_the_responses(scraped):
         assert total(samples, name) == sum(s.get(key, 0) for s in spec), name
     assert total(samples, "ray_specdec_fallbacks_total", mode="auto") > 0
     assert total(samples, "ray_specdec_output_tokens_total") == sum(b["usage"]["completion_tokens"] for b in bodies)
+    passes = [b["usage"]["speculation"] for b in bodies]  # savings in billing terms, per response
+    assert total(samples, "ray_specdec_target_passes_total") == sum(p["target_passes"] for p in passes)
+    assert all(p["passes_saved"] == p["plain_passes"] - p["target_passes"] >= 0 for p in passes)
+    assert sum(p["passes_saved"] for p in passes) == sum(s["accepted_tokens"] for s in spec) > 0
     assert total(samples, "ray_specdec_prompt_tokens_total") == sum(b["usage"]["prompt_tokens"] for b in bodies)
     cached = [b["usage"]["prompt_tokens_details"]["cached_tokens"] for b in bodies]
     assert cached[-2:] == [0, 256] and sum(cached) == 256  # the long prompt, the second time

@@ -501,3 +501,136 @@ def test_the_openai_client_sends_its_key(server):
     assert client.completions.create(model=MODEL, prompt="The cat", max_tokens=4).usage.completion_tokens >= 1
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{BASE}/secured/v1", api_key="nope").models.list()
+
+
+# --- the OpenAI options tools expect: logprobs, echo, n / best_of, penalties, savings ------------
+
+
+@pytest.fixture(scope="module")
+def scorer(server):
+    """``scorer(ids)``: the target's log-softmax after each prefix of ``ids`` (one plain forward)."""
+    model = load_model(str(server["target"]))
+
+    def run(ids: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            return model(input_ids=torch.tensor([ids])).logits[0].double().log_softmax(-1)
+
+    return run
+
+
+@pytest.mark.parametrize("colocation", MODES)
+def test_openai_client_logprobs_and_echo_are_the_targets(server, scorer, colocation):
+    """Through the official client, speculation on: each token's log-probability and the top 3
+    equal a plain forward's log-softmax (greedy: T = 1); echo gives the prompt's too."""
+    client = openai.OpenAI(base_url=f"{BASE}/{colocation}/v1", api_key="unused")
+    tok = load_tokenizer(str(server["target"]))
+    spec = {"speculation": {"mode": "draft", "num_speculative_tokens": 3}, "return_token_ids": True}
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=8, temperature=0, logprobs=3,
+                                  echo=True, extra_body=spec)
+    choice, ids = r.choices[0], tok(PROMPTS[1])["input_ids"]
+    out = choice.model_extra["token_ids"]
+    assert choice.text.startswith(PROMPTS[1]) and len(out) == 8
+    ref = scorer(ids + out)
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(ids) + 8 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for j, token in enumerate((ids + out)[1:], start=1):
+        assert lp.token_logprobs[j] == pytest.approx(float(ref[j - 1, token]), abs=1e-4), j
+        top = ref[j - 1].topk(3)
+        assert list(lp.top_logprobs[j].values()) == pytest.approx(top.values.tolist(), abs=1e-4)
+    assert lp.text_offset[len(ids)] == len(PROMPTS[1]) or lp.tokens[len(ids) - 1] == ""
+    # chat, streamed and not: the same entries
+    messages = [{"role": "user", "content": "Say something about the cat."}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0, logprobs=True,
+                                          top_logprobs=2, extra_body=spec)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 8 and all(len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob
+                                     for c in content)
+    assert all(c.token == c.top_logprobs[0].token and c.logprob == c.top_logprobs[0].logprob for c in content)
+    streamed = [e for c in client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                                         logprobs=True, top_logprobs=2, stream=True, extra_body=spec)
+                if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(c.token, c.logprob) for c in streamed] == pytest.approx([(c.token, c.logprob) for c in content])
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+
+
+def test_n_choices_share_the_prefill_and_are_seeded_reproducibly(server):
+    client = openai.OpenAI(base_url=f"{BASE}/in_process/v1", api_key="unused")
+    router = serve.get_deployment_handle("SpecRouter", app_name="in_process")
+    long_prompt = " ".join(["the cat sees the dog and my friend builds the old house"] * 12)  # 385 tokens
+    before = router.info.remote().result()["usage"]["prefix_hit_tokens"]
+    body = dict(model=MODEL, prompt=long_prompt, max_tokens=12, temperature=1.0, seed=7, n=4,
+                extra_body={"speculation": {"mode": "draft"}, "return_token_ids": True})
+    a, b = client.completions.create(**body), client.completions.create(**body)
+    hits = router.info.remote().result()["usage"]["prefix_hit_tokens"] - before
+    ids = lambda r: [c.model_extra["token_ids"] for c in sorted(r.choices, key=lambda c: c.index)]  # noqa: E731
+    assert [c.index for c in a.choices] == [0, 1, 2, 3] and ids(a) == ids(b)  # reproducible
+    assert len({tuple(t) for t in ids(a)}) > 1  # independent choices differ
+    one = client.completions.create(**{**body, "n": 1})
+    assert ids(one) == ids(a)[:1]  # choice 0 keeps the request's seed
+    assert a.usage.completion_tokens == 48
+    # the first request's siblings took its prompt's blocks; the second found all four cached
+    assert hits >= 7 * 256, hits
+    # best_of: the choice with the highest log-probability among best_of samples
+    scored = client.completions.create(**{**body, "logprobs": 0})
+    sums = [sum(c.logprobs.token_logprobs) for c in sorted(scored.choices, key=lambda c: c.index)]
+    best = client.completions.create(**{**body, "n": 1, "best_of": 4})
+    assert ids(best) == [ids(scored)[sums.index(max(sums))]] and best.choices[0].logprobs is None
+
+
+def test_penalties_and_bias_over_http_equal_plain_decoding_with_them(server):
+    body = {"prompt": PROMPTS[0], "max_tokens": 24, "presence_penalty": 0.8, "frequency_penalty": 0.5,
+            "repetition_penalty": 1.3, "logit_bias": {"17": 3.0}}
+    plain = completion("in_process", **body, speculation={"mode": "off"}).json()["choices"][0]["token_ids"]
+    assert plain != completion("in_process", prompt=PROMPTS[0], max_tokens=24).json()["choices"][0]["token_ids"]
+    for colocation in MODES:
+        for mode in ("draft", "ngram", "eagle"):
+            r = completion(colocation, **body, speculation={"mode": mode, "num_speculative_tokens": 3})
+            assert r.json()["choices"][0]["token_ids"] == plain, (colocation, mode)
+
+
+def test_usage_says_what_speculation_saved_and_the_trace_names_the_tenant(server):
+    r = completion("in_process", prompt=PROMPTS[2], max_tokens=32, user="tenant-a",
+                   speculation={"mode": "ngram", "num_speculative_tokens": 4})
+    body = r.json()
+    usage, spec = body["usage"], body["speculation"]
+    saved = usage["speculation"]
+    assert saved["target_passes"] == spec["rounds"] + 1 and saved["plain_passes"] == usage["completion_tokens"] == 32
+    assert saved["passes_saved"] == 32 - saved["target_passes"] and saved["accepted_tokens"] == spec["accepted_tokens"]
+    details = usage["completion_tokens_details"]
+    assert details["accepted_prediction_tokens"] == spec["accepted_tokens"] > 0
+    assert details["rejected_prediction_tokens"] == spec["drafted_tokens"] - spec["accepted_tokens"]
+    trace_id = r.headers["traceparent"].split("-")[1]
+    trace = wait_for_traces(server["traces"], {trace_id})[trace_id]
+    assert trace.attr("enduser.id") == "tenant-a"
+    assert trace.attr("specdec.target_passes") == saved["target_passes"] and trace.attr("specdec.plain_passes") == 32
+
+
+def test_structured_output_through_the_openai_client(server):
+    """``beta.chat.completions.parse`` with a pydantic model (a strict JSON schema), speculating,
+    in both colocation modes: the answer parses, and equals plain constrained decoding's."""
+    from pydantic import BaseModel, Field
+
+    class Person(BaseModel):
+        name: str = Field(max_length=6)
+        age: int = Field(ge=0, le=120)
+        ok: bool
+
+    messages = [{"role": "user", "content": "Who is the cat?"}]
+    answers = {}
+    for colocation in MODES:
+        client = openai.OpenAI(base_url=f"{BASE}/{colocation}/v1", api_key="unused")
+        for mode in ("off", "draft", "eagle"):
+            r = client.beta.chat.completions.parse(model=MODEL, messages=messages, response_format=Person, temperature=0,
+                                                   max_tokens=80, extra_body={"speculation": {"mode": mode}})
+            assert isinstance(r.choices[0].message.parsed, Person) and r.choices[0].finish_reason == "stop"
+            answers[colocation, mode] = r.choices[0].message.content
+    assert len(set(answers.values())) == 1, answers
+    client = openai.OpenAI(base_url=f"{BASE}/in_process/v1", api_key="unused")
+    choice = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=10, temperature=1.0, seed=3,
+                                       extra_body={"guided_choice": ["cat", "dog", "tree"],
+                                                   "speculation": {"mode": "draft"}})
+    assert choice.choices[0].text in ("cat", "dog", "tree")
+    bad = httpx.post(f"{BASE}/in_process/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": messages, "response_format": {"type": "json_schema",
+                                                                  "json_schema": {"name": "x", "schema": {"type": 5}}}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_format"

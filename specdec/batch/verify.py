@@ -49,6 +49,7 @@ class VerifyRow:
     history: tuple[int, ...] | list[int] = ()  # the ids before the pending token's logits (penalties read it)
     prompt_len: int = 0  # where the output starts in ``history``
     logprobs: int | None = None  # report the emitted tokens' log-probabilities and this many top ones
+    allowed: torch.Tensor | None = None  # structured output: bool [k + 1, vocab], what each position may emit
 
     def paths(self) -> list[list[int]]:
         """[k + 1] the drafts between the history and each scored position (a tree: the ancestors')."""
@@ -110,7 +111,7 @@ def verify_batch(rows: list[VerifyRow], logits: torch.Tensor) -> list[Verdict]:
     for n in sizes:
         starts.append(starts[-1] + n)
     verdicts: list[Verdict | None] = [None] * len(rows)
-    logits = _suppress(rows, _penalize(rows, logits, starts), starts)
+    logits = _constrain(rows, _suppress(rows, _penalize(rows, logits, starts), starts), starts)
 
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
     if greedy:
@@ -133,6 +134,22 @@ def verify_batch(rows: list[VerifyRow], logits: torch.Tensor) -> list[Verdict]:
     if asked:
         verdicts = _with_logprobs(rows, verdicts, logits, starts, asked)
     return verdicts  # type: ignore[return-value]
+
+
+def _constrain(rows: list[VerifyRow], logits: torch.Tensor, starts: list[int]) -> torch.Tensor:
+    """``logits`` with what each structured-output row's grammar forbids at -inf (``specdec.grammar``):
+    a change of p itself, so verification stays exact for the constrained p. A position where the
+    grammar would forbid every token (never reached by verification) is left as it is."""
+    constrained = [i for i, r in enumerate(rows) if r.allowed is not None]
+    if not constrained:
+        return logits
+    logits = logits.clone()
+    for i in constrained:
+        allowed = rows[i].allowed.to(logits.device)
+        allowed = allowed | ~allowed.any(-1, keepdim=True)
+        at = slice(starts[i], starts[i + 1])
+        logits[at] = logits[at].masked_fill(~allowed, -math.inf)
+    return logits
 
 
 def _penalize(rows: list[VerifyRow], logits: torch.Tensor, starts: list[int]) -> torch.Tensor:

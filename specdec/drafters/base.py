@@ -20,6 +20,8 @@ import torch
 from specdec import trees
 from specdec.batch.blocks import BLOCK
 from specdec.batch.verify import batched_probs
+from specdec import grammar as grammars
+from specdec.grammar import GrammarSpec
 from specdec.sampling import SamplingParams, make_generator, penalize
 
 
@@ -72,6 +74,7 @@ class DraftRow:
     stop_below: float = 0.0
     nodes: int = 0
     prompt_len: int = 0  # where the output starts in ``context`` (the request's penalties count it)
+    grammar: GrammarSpec | None = None  # structured output: drafts stay inside it (``specdec.grammar``)
 
     @property
     def capacity(self) -> int:
@@ -115,6 +118,16 @@ def _penalized(logits: torch.Tensor, rows: list[tuple[DraftRow, list[list[int]]]
     return logits
 
 
+def _constrained(logits: torch.Tensor, masks: list[torch.Tensor | None]) -> torch.Tensor:
+    """A drafter's logits [n, V] with each masked position's forbidden tokens at -inf (a position
+    whose mask forbids everything is left alone)."""
+    logits = logits.float().clone()
+    for j, allowed in enumerate(masks):
+        if allowed is not None and bool(allowed.any()):
+            logits[j] = logits[j].masked_fill(~allowed.to(logits.device), -math.inf)
+    return logits
+
+
 class Chains:
     """The draft chains of one step being built: each row's tokens, q rows, confidences and
     generator.
@@ -138,6 +151,9 @@ class Chains:
         self.stopped: set[int] = set()
         self.steps = 0
         self.began = time.perf_counter()
+        # structured output: each such row walks a fork of its grammar's state along its drafts
+        self.walkers = {i: grammars.tracker().state(r.key, r.grammar, r.context[r.prompt_len:]).fork()
+                        for i, r in enumerate(rows) if r.grammar is not None}
 
     def live(self) -> list[int]:
         """The rows still drafting."""
@@ -148,6 +164,9 @@ class Chains:
         q with the row's generator; then the confidence stop (class docstring)."""
         rows = self.rows
         logits = _penalized(logits, [(rows[i], [self.tokens[i]]) for i in live])
+        if self.walkers:
+            logits = _constrained(logits, [grammars.tracker().grammars.next_allowed(self.walkers[i], logits.shape[-1])
+                                           if i in self.walkers else None for i in live])
         sampled = [j for j, i in enumerate(live) if not rows[i].params.greedy]
         probs = batched_probs(logits[sampled], [rows[live[j]].params for j in sampled]) if sampled else None
         flat = logits.float()
@@ -169,7 +188,9 @@ class Chains:
             self.tokens[i].append(token)
             self.confidence[i].append(confidence)
             self.reach[i] *= confidence
-            if confidence < threshold or self.reach[i] < rows[i].stop_below:
+            if i in self.walkers and not self.walkers[i].accept_token(token):
+                self.stopped.add(i)  # the grammar ends here (or the drafter strayed): verification decides
+            elif confidence < threshold or self.reach[i] < rows[i].stop_below:
                 self.stopped.add(i)  # unsure: let the target speak before drafting further
         self.steps += 1
 
@@ -248,6 +269,8 @@ class Trees:
         frontier order, row after row."""
         rows = self.rows
         logits = _penalized(logits, [(rows[i], [self._path(i, f) for f in self.grown[i].frontier]) for i in live])
+        if any(rows[i].grammar is not None for i in live):
+            logits = _constrained(logits, [mask for i in live for mask in self._allowed(i, logits.shape[-1])])
         at = 0
         for i in live:
             g, row = self.grown[i], rows[i]
@@ -274,6 +297,15 @@ class Trees:
                 best = [j for j in best if g.value[j] > cut]
             g.frontier = best
         self.steps += 1
+
+    def _allowed(self, i: int, width: int) -> list[torch.Tensor | None]:
+        """Row ``i``'s grammar masks at each frontier node (None without a grammar)."""
+        row, frontier = self.rows[i], self.grown[i].frontier
+        if row.grammar is None:
+            return [None] * len(frontier)
+        tracker = grammars.tracker()
+        state = tracker.state(row.key, row.grammar, row.context[row.prompt_len:])
+        return [tracker.grammars.after(state, self._path(i, f), width) for f in frontier]
 
     def _path(self, i: int, node: int) -> list[int]:
         """The tokens from row ``i``'s pending token down to ``node``, inclusive."""

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec import compute
+from specdec import grammar as grammars
 from specdec.batch.runner import BatchRunner
 from specdec.config import ModelConfig, SpeculationConfig
 from specdec.drafters import build_drafters, offered_modes
@@ -31,6 +32,7 @@ from specdec.drafters.base import BatchDrafter, Drafted, DraftRow
 from specdec.engine.events import RoundEvent
 from specdec.engine.loop import GenerationRequest, StepLoop
 from specdec.engine.target import TargetStep
+from specdec.grammar import GrammarSpec
 from specdec.loading import check_same_vocabulary, load_model, load_tokenizer
 from specdec.policy import PolicyConfig
 from specdec.sampling import SamplingParams
@@ -126,6 +128,7 @@ class Engine:
                         default_k=speculation.num_speculative_tokens, max_length=max_length,
                         tree_width=speculation.tree_width, fixed_chunks=models.numerics == "batch_invariant",
                         prefix_caching=prefix_caching)
+        grammars.configure(tokenizer, sorted(eos_token_ids))  # structured output, validated here
         return cls(tokenizer, loop, speculation=speculation)
 
     @property
@@ -216,7 +219,8 @@ class Engine:
     def request(self, prompt_ids: list[int], *, max_tokens: int, params: SamplingParams = SamplingParams(),
                 stop: list[str] | None = None, mode: str | None = None, k: int | None = None,
                 ignore_eos: bool = False, stop_token_ids: list[int] | None = None,
-                min_tokens: int = 0, logprobs: int | None = None) -> GenerationRequest:
+                min_tokens: int = 0, logprobs: int | None = None,
+                grammar: GrammarSpec | None = None) -> GenerationRequest:
         """The one place a request is validated and defaulted."""
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
@@ -226,6 +230,8 @@ class Engine:
             raise ValueError("the prompt must have at least one token")
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must lie in [0, {MAX_LOGPROBS}], got {logprobs}")
+        if grammar is not None:
+            grammars.tracker().grammars.compile(grammar)  # ValueError: the client's 400
         limit = self.max_length
         if limit is not None and len(prompt_ids) + max_tokens > limit:
             raise ValueError(
@@ -234,7 +240,7 @@ class Engine:
             )
         req = GenerationRequest(list(prompt_ids), max_tokens, params, self.resolve_mode(mode), k,
                                 tuple(stop or ()), ignore_eos, frozenset(stop_token_ids or ()), min_tokens,
-                                logprobs)
+                                logprobs, grammar)
         self.loop.check_fits(req)
         return req
 
@@ -307,6 +313,7 @@ class LocalDraft:
     def propose(self, rows: list[DraftRow], release: list[str] = ()) -> Drafted:
         for key in release:
             self.drafter.release(key)
+            grammars.release(key)
         return self.drafter.propose(rows)
 
 
@@ -342,7 +349,9 @@ def load_target_step(models: ModelConfig, speculation: SpeculationConfig, tokeni
     runner = BatchRunner(target_model, capacity_tokens=kv_cache_tokens, max_length=models.max_model_len,
                          invariant=models.numerics == "batch_invariant")
     drafters = build_drafters("target", models, speculation, runner, runner.capacity)
-    return TargetStep(runner, drafters), eos_token_ids(tokenizer, target_model)
+    eos = eos_token_ids(tokenizer, target_model)
+    grammars.configure(tokenizer, sorted(eos))  # structured output: masks at verification
+    return TargetStep(runner, drafters), eos
 
 
 def load_draft_step(models: ModelConfig, speculation: SpeculationConfig, capacity_tokens: int) -> LocalDraft:

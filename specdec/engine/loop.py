@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec import compute
+from specdec import compute, grammar
 from specdec.batch.blocks import BLOCK, BlockPool, blocks_for, prefix_hashes
 from specdec.drafters import DRAFTERS
 from specdec.drafters.base import EMPTY_PROPOSAL, BatchDrafter
@@ -48,6 +48,7 @@ from specdec.engine.replay import QualityGuard, randomized_pit
 from specdec.engine.plan import (
     DRAFT, DRAFT_RETRY_ROUNDS, TARGET, DraftUnavailable, Row, StepPlan, cut_round, draft_budget, round_seed,
 )
+from specdec.grammar import GrammarSpec
 from specdec.engine.schedule import Candidate, GoodputGuard, StepCosts, allocate
 from specdec.engine.target import Drafting, StepResult, draft_all, draft_rows
 from specdec.policy import PolicyConfig, SpeculationPolicy
@@ -85,6 +86,7 @@ class GenerationRequest:
     stop_token_ids: frozenset[int] = frozenset()  # tokens that end the request, kept in the output
     min_tokens: int = 0  # no stop token or stop string ends the request before this many tokens
     logprobs: int | None = None  # report each token's log-probability and this many most likely ones (0-20)
+    grammar: GrammarSpec | None = None  # structured output: what the output must match (``specdec.grammar``)
     tag: str | None = None  # what logs name the request by (its trace id), e.g. when its replay differs
 
 
@@ -570,7 +572,7 @@ class StepLoop:
         return Row(live.key, context, tuple(live.blocks), emits, mode=mode, k=k, stop_below=stop_below,
                    nodes=nodes, params=live.req.params, target_seed=round_seed(live.seed, index, TARGET),
                    draft_seed=round_seed(live.seed, index, DRAFT), prompt_len=len(live.req.prompt_ids),
-                   logprobs=live.req.logprobs, **self._suppressed(live))
+                   logprobs=live.req.logprobs, grammar=live.req.grammar, **self._suppressed(live))
 
     def _candidate(self, live: _Live, cfg: PolicyConfig) -> Candidate:
         """This row's policy decision: its mode, its most k, and whether k is fixed."""
@@ -753,6 +755,10 @@ class StepLoop:
                               [out[:j] for j in range(len(out))])
         if req.min_tokens and stop:  # the p the request was sampled from: stop ids suppressed this long
             logits[: req.min_tokens, [t for t in stop if t < logits.shape[-1]]] = -math.inf
+        if req.grammar is not None:  # ... and inside its grammar
+            g = grammar.tracker().grammars
+            allowed = g.tree_allowed(g.matcher(req.grammar, []), out[:-1], None, logits.shape[-1])
+            logits = logits.masked_fill(~(allowed | ~allowed.any(-1, keepdim=True)), -math.inf)
         p = logits_to_probs(logits, req.params)
         v = torch.rand(len(out), generator=make_generator(round_seed(len(ids), self.quality.replayed, TARGET)))
         for passed in self.quality.sampled(randomized_pit(p, out, v)):

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from specdec.batch.blocks import BLOCK
 from specdec.drafters.base import EMPTY_PROPOSAL, Proposal
+from specdec.grammar import GrammarSpec
 from specdec.sampling import SamplingParams
 
 _MASK64 = 0xFFFF_FFFF_FFFF_FFFF
@@ -84,6 +85,7 @@ class Row:
     suppress_for: int = 0  # ... at this round's first positions
     prompt_len: int = 0  # where the output starts in ``context`` (penalties count the output)
     logprobs: int | None = None  # the request wants its tokens' log-probabilities (and this many top ones)
+    grammar: GrammarSpec | None = None  # structured output: what the output must match (``specdec.grammar``)
 
     @property
     def capacity(self) -> int:

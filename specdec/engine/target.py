@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec import grammar
 from specdec.batch.runner import BatchRow, BatchRunner
 from specdec.batch.verify import VerifyRow, verify_batch
 from specdec.drafters import DRAFTERS, drafter_of
@@ -43,9 +44,18 @@ class StepResult:
     tokens: int = 0  # tokens in the target pass (its cost driver)
 
 
+def allowed(row: Row, proposal: Proposal, width: int) -> torch.Tensor | None:
+    """A structured-output row's grammar masks: bool [1 + drafts, width], row j what the grammar
+    allows after the output and the drafts before position j (``specdec.grammar``)."""
+    if row.grammar is None:
+        return None
+    state = grammar.tracker().state(row.key, row.grammar, row.context[row.prompt_len:])
+    return grammar.tracker().grammars.tree_allowed(state, proposal.tokens, proposal.parents, width)
+
+
 def draft_rows(rows: list[Row]) -> list[DraftRow]:
-    return [DraftRow(r.key, r.context, r.k, r.params, r.draft_seed, r.blocks, r.stop_below, r.nodes, r.prompt_len)
-            for r in rows]
+    return [DraftRow(r.key, r.context, r.k, r.params, r.draft_seed, r.blocks, r.stop_below, r.nodes, r.prompt_len,
+                     r.grammar) for r in rows]
 
 
 @dataclass
@@ -94,6 +104,7 @@ class TargetStep:
         """``external``: the draft side's proposals for the rows of its mode(s), in plan order."""
         for key in release:
             self.runner.release(key)
+            grammar.release(key)
             for drafter in self.drafters.values():
                 drafter.release(key)
         result = StepResult(verdicts=[], confidence=[])
@@ -111,9 +122,11 @@ class TargetStep:
             return result
         # 3. accept / reject over the flattened rows
         flat = torch.cat([lg for lg, r in zip(logits, plan.rows) if r.emits])
+        width = flat.shape[-1]
         verdicts = verify_batch([VerifyRow(proposals[r.key].tokens, r.params, r.target_seed, proposals[r.key].probs,
                                            r.suppress, r.suppress_for, proposals[r.key].parents,
-                                           r.context if r.params.penalized else (), r.prompt_len, r.logprobs)
+                                           r.context if r.params.penalized else (), r.prompt_len, r.logprobs,
+                                           allowed(r, proposals[r.key], width))
                                  for r in emitting], flat)
         # 4. roll back: each row keeps its context and accepted drafts (a tree's path moved into place)
         self.runner.accept([(r.key, list(v.path)) for r, v in zip(emitting, verdicts) if v.path is not None])
