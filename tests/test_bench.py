@@ -113,7 +113,8 @@ def test_stream_timing_worked_example():
 
 
 class FakeServer(BaseHTTPRequestHandler):
-    """An OpenAI-style completions server that streams 4 tokens in 3 chunks."""
+    """An OpenAI-style completions server that streams 4 tokens in 3 chunks (chat completions:
+    the same 4 token ids, not streamed)."""
 
     protocol_version = "HTTP/1.0"
     FIRST_DELAY_S = 0.05
@@ -139,6 +140,10 @@ class FakeServer(BaseHTTPRequestHandler):
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         FakeServer.bodies.append(body)
+        if self.path == "/v1/chat/completions":
+            self._send(200, {"choices": [{"index": 0, "message": {"role": "assistant", "content": "one two three four"},
+                                          "token_ids": [11, 12, 13, 14], "finish_reason": "length"}]})
+            return
         if body["prompt"] == "bad":
             self._send(400, {"error": {"message": "bad prompt"}})
             return
@@ -277,6 +282,21 @@ def test_progress_is_only_on_a_terminal_unless_forced(capsys):
     # Results still go to stdout, the same bytes in every case.
     assert capsys.readouterr().out == '{"mode": "auto"}\n' * 3
     SILENT.now("x"), SILENT.advance(), SILENT.close()  # the library default: nothing to show
+
+
+def test_sweep_and_quality_feed_the_progress(fake_url, capsys):
+    """``--progress`` on both commands against the fake server: each request is counted on
+    stderr, stdout carries only the results."""
+    assert main(["sweep", "--url", fake_url, "--model", "fake-model", "--concurrency", "1,2", "--requests", "1",
+                 "--max-tokens", "4", "--progress"]) == 0
+    out, err = capsys.readouterr()
+    assert err.splitlines()[-1].startswith("sweep HTTP 100% 6/6 [") and "auto, 2 streams x 1]" in err
+    assert "sweep HTTP" not in out and "| auto | 2 |" in out
+    assert main(["quality", "--url", fake_url, "--modes", "draft", "--progress"]) == 0
+    out, err = capsys.readouterr()
+    assert err.splitlines()[0].startswith("quality answers   0% 0/48 [00:00<?, off, factual")
+    assert err.splitlines()[-1].startswith("quality answers 100% 48/48 [") and "batched, 16 at once]" in err
+    assert out.startswith("| mode | class |") and "quality" not in out
 
 
 # --------------------------------------------------------------------------- configurations
