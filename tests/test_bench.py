@@ -1,6 +1,8 @@
 """specdec bench: the ideal-speedup math, SSE parsing and the HTTP client against a fake
-server, and a whole ``--quick --tiny`` run through the CLI."""
+server, the progress line of bench, sweep and quality, and a whole ``--quick --tiny`` run
+through the CLI."""
 
+import io
 import json
 import logging
 import shutil
@@ -20,6 +22,7 @@ from specdec.bench.ideal import (
     interpolate_verify_cost,
     per_position_acceptance,
 )
+from specdec.bench.progress import SILENT, Progress
 from specdec.bench.report import ROW_FIELDS
 from specdec.bench.sse import completion_chunks, sse_data, stream_timing
 from specdec.bench.workloads import Prompt
@@ -110,7 +113,8 @@ def test_stream_timing_worked_example():
 
 
 class FakeServer(BaseHTTPRequestHandler):
-    """An OpenAI-style completions server that streams 4 tokens in 3 chunks."""
+    """An OpenAI-style completions server that streams 4 tokens in 3 chunks (chat completions:
+    the same 4 token ids, not streamed)."""
 
     protocol_version = "HTTP/1.0"
     FIRST_DELAY_S = 0.05
@@ -136,6 +140,10 @@ class FakeServer(BaseHTTPRequestHandler):
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         FakeServer.bodies.append(body)
+        if self.path == "/v1/chat/completions":
+            self._send(200, {"choices": [{"index": 0, "message": {"role": "assistant", "content": "one two three four"},
+                                          "token_ids": [11, 12, 13, 14], "finish_reason": "length"}]})
+            return
         if body["prompt"] == "bad":
             self._send(400, {"error": {"message": "bad prompt"}})
             return
@@ -229,6 +237,66 @@ def test_concurrency_sweep_against_a_fake_server(fake_url):
         assert r["tokens_per_s"] > 0 and r["ttft_s"]["p50"] >= FakeServer.FIRST_DELAY_S
         assert "HTTP 400" in r["first_error"]
     assert len(FakeServer.bodies) == 3 + 6
+
+
+# --------------------------------------------------------------------------- progress
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_shows_what_runs_how_far_elapsed_and_eta(monkeypatch):
+    """Forced on a stream that is not a terminal: plain lines with the phase, what runs, done /
+    total, elapsed and the time left at the average rate (a fake clock: 30 s per run)."""
+    now = {"t": 1000.0}
+    monkeypatch.setattr("tqdm.std.time", lambda: now["t"])
+    stream = io.StringIO()
+    with Progress("bench", force=True, stream=stream, interval_s=0).phase("runs", 5) as phase:
+        for name in ("off", "draft-k4", "hf-plain", "auto"):
+            phase.now(f"{name}, chat, repeat 1/1")
+            now["t"] += 30
+            phase.advance()
+        phase.drop()  # a configuration failed: its last run will not happen
+    lines = stream.getvalue().splitlines()
+    assert lines[0] == "bench runs   0% 0/5 [00:00<?, off, chat, repeat 1/1]"
+    # after 2 runs in 60 s, 3 to go: 90 s left
+    assert "bench runs  40% 2/5 [01:00<01:30, draft-k4, chat, repeat 1/1]" in lines
+    assert lines[-1] == "bench runs 100% 4/4 [02:00<00:00, auto, chat, repeat 1/1]"
+
+
+def test_progress_is_only_on_a_terminal_unless_forced(capsys):
+    def draw(stream, force=None):
+        with Progress("sweep", force=force, stream=stream).phase("in process", 2) as phase:
+            phase.now("auto, 4 streams x 1")
+            phase.counting(lambda: None)()
+            phase.print_stdout('{"mode": "auto"}')
+        return stream.getvalue()
+
+    assert draw(io.StringIO()) == ""  # a pipe or a log: nothing by default
+    assert draw(Terminal(), force=False) == ""  # --no-progress
+    drawn = draw(Terminal())  # a terminal: redrawn in place, the last state left on its own line
+    assert drawn.startswith("\rsweep in process") and drawn.endswith("\n")
+    assert "1/2 [" in drawn and "auto, 4 streams x 1]" in drawn
+    # Results still go to stdout, the same bytes in every case.
+    assert capsys.readouterr().out == '{"mode": "auto"}\n' * 3
+    SILENT.now("x"), SILENT.advance(), SILENT.close()  # the library default: nothing to show
+
+
+def test_sweep_and_quality_feed_the_progress(fake_url, capsys):
+    """``--progress`` on both commands against the fake server: each request is counted on
+    stderr, stdout carries only the results."""
+    assert main(["sweep", "--url", fake_url, "--model", "fake-model", "--concurrency", "1,2", "--requests", "1",
+                 "--max-tokens", "4", "--progress"]) == 0
+    out, err = capsys.readouterr()
+    assert err.splitlines()[-1].startswith("sweep HTTP 100% 6/6 [") and "auto, 2 streams x 1]" in err
+    assert "sweep HTTP" not in out and "| auto | 2 |" in out
+    assert main(["quality", "--url", fake_url, "--modes", "draft", "--progress"]) == 0
+    out, err = capsys.readouterr()
+    assert err.splitlines()[0].startswith("quality answers   0% 0/48 [00:00<?, off, factual")
+    assert err.splitlines()[-1].startswith("quality answers 100% 48/48 [") and "batched, 16 at once]" in err
+    assert out.startswith("| mode | class |") and "quality" not in out
 
 
 # --------------------------------------------------------------------------- configurations
@@ -410,8 +478,9 @@ def test_quick_tiny_run_writes_every_field(tiny_home, capsys):
                "--repeats", "1", "--max-tokens", "8", "--cost-reps", "3", "--out", str(out), "--no-plots"])
     assert rc == 0
     report = json.loads(out.read_text())
-    table = capsys.readouterr().out
+    table, err = capsys.readouterr()
     assert "== grounded ==" in table and "== targets ==" in table
+    assert "bench runs" not in err  # stderr is not a terminal: no progress unless --progress
 
     expected = [c.name for c in build_configs((4,), quick=True, http=False) if not c.name.startswith(("eagle", "medusa"))]
     assert [s["name"] for s in report["skipped"]] == ["eagle-k4", "medusa-k4", "eagle_tree-k4", "medusa_tree-k4",
@@ -500,10 +569,16 @@ def test_quick_tiny_run_with_a_server(tiny_home, fake_url, capsys):
     rc = main(["bench", "--quick", "--tiny", "--dtype", "float32", "--threads", "1", "--prompts", "1",
                "--repeats", "1", "--max-tokens", "6", "--cost-reps", "2", "--workloads", "chat,sampling",
                "--only", "http-*", "--only", "draft-k4", "--only", "auto", "--url", fake_url,
-               "--concurrency", "1,2", "--out", str(out), "--no-plots"])
+               "--concurrency", "1,2", "--out", str(out), "--no-plots", "--progress"])
     assert rc == 0
     report = json.loads(out.read_text())
-    assert "== HTTP concurrency ==" in capsys.readouterr().out
+    printed, err = capsys.readouterr()
+    assert "== HTTP concurrency ==" in printed and not any(line.startswith("bench ") for line in printed.splitlines())
+    # --progress: every phase's last line, done = total (13 configurations; x 2 workloads x 1 prompt)
+    ends = [line for line in err.splitlines() if line.startswith("bench ") and " 100% " in line]
+    assert [line.split(" 100% ")[0] for line in ends] == [
+        "bench load", "bench costs", "bench warm-up", "bench runs", "bench HTTP concurrency"]
+    assert " 13/13 [" in ends[2] and " 26/26 [" in ends[3] and ends[4].endswith(", auto, 2 streams]")
     names = [r["name"] for r in report["configurations"] if r["workload"] == "chat"]
     assert names == ["off", "draft-k4", "auto", "http-off", "http-draft-k4", "http-ngram-k4", "http-early_exit-k4",
                      "http-eagle-k4", "http-medusa-k4", "http-draft_tree-k4", "http-eagle_tree-k4",

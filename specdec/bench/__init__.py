@@ -12,6 +12,7 @@ Modules, one concept each:
 - ``inproc``     one timed run through our engine or ``model.generate``
 - ``sse``        SSE parsing and TTFT / TPOT of a stream (pure); ``client`` the httpx side
 - ``report``     rows, targets, the terminal table; ``plots`` optional PNGs; ``run`` the driver
+- ``progress``   the phases of bench, sweep and quality on stderr: what runs, done / total, ETA
 
 Run ``specdec bench --quick --tiny`` for a smoke run, ``specdec bench`` for the full one on
 the demo pair, ``--url http://127.0.0.1:8000`` to add a running server.
@@ -30,8 +31,11 @@ log = logging.getLogger(__name__)
 
 def _overhead(args: argparse.Namespace) -> int:
     from specdec.bench import overhead
+    from specdec.bench.progress import Progress
 
-    results = overhead.run(list(args.rows), steps=args.steps, threads=args.threads, numerics=args.numerics)
+    with Progress("bench", force=args.progress).phase("overhead", len(args.rows)) as phase:
+        results = overhead.run(list(args.rows), steps=args.steps, threads=args.threads, numerics=args.numerics,
+                               phase=phase)
     print(f"engine vs a dense forward, near-zero-compute model, numerics {args.numerics}")
     print(overhead.table(results))
     if args.out:
@@ -42,6 +46,7 @@ def _overhead(args: argparse.Namespace) -> int:
 def _prefix(args: argparse.Namespace) -> int:
     from specdec import compute
     from specdec.bench import prefix
+    from specdec.bench.progress import Progress
     from specdec.bench.run import tiny_pair
     from specdec.bench.sweep import models_from_args
 
@@ -52,8 +57,9 @@ def _prefix(args: argparse.Namespace) -> int:
         models = {"target": str(paths["target"]), "draft": str(paths["draft"]), "dtype": args.dtype}
     else:
         models = models_from_args(args)
-    result = prefix.run(models, system_tokens=args.system_tokens, kv_budget=args.kv_budget,
-                        capacity_requests=args.capacity_requests)
+    with Progress("bench", force=args.progress).phase("prefix", 3) as phase:
+        result = prefix.run(models, system_tokens=args.system_tokens, kv_budget=args.kv_budget,
+                            capacity_requests=args.capacity_requests, phase=phase)
     print(prefix.table(result))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
@@ -63,6 +69,7 @@ def _prefix(args: argparse.Namespace) -> int:
 def run_from_args(args: argparse.Namespace) -> int:
     """The ``bench`` subcommand: run, print the table, write JSON and plots."""
     from specdec.bench.options import BenchOptions
+    from specdec.bench.progress import Progress
     from specdec.bench.run import render, run_bench
 
     if args.overhead:
@@ -70,7 +77,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     if args.prefix:
         return _prefix(args)
     opts = BenchOptions.from_args(args)
-    report = run_bench(opts)
+    report = run_bench(opts, Progress("bench", force=args.progress))
     print(render(report))
     if opts.out:
         out = Path(opts.out)

@@ -18,6 +18,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from specdec.bench.progress import SILENT, Phase
 from specdec.bench.sse import StreamTiming, completion_chunks, stream_timing
 from specdec.bench.workloads import Prompt
 from specdec.stats import percentile
@@ -85,9 +86,10 @@ class CompletionClient:
 
 def concurrency_sweep(
     url: str, model: str, prompts: list[Prompt], levels: list[int], *, requests_per_stream: int,
-    max_tokens: int, mode: str, k: int | None, extra_body: dict | None = None,
+    max_tokens: int, mode: str, k: int | None, extra_body: dict | None = None, phase: Phase = SILENT,
 ) -> list[dict]:
-    """For each level, ``level`` streams at once, each sending ``requests_per_stream`` requests."""
+    """For each level, ``level`` streams at once, each sending ``requests_per_stream`` requests
+    (``phase`` counts them)."""
     if not prompts:
         raise ValueError("the concurrency sweep needs prompts")
     rows = []
@@ -95,6 +97,7 @@ def concurrency_sweep(
         results: list[StreamTiming] = []
         errors: list[str] = []
         lock = threading.Lock()
+        phase.now(f"{mode}, {level} streams")
 
         def stream(i: int) -> None:
             with CompletionClient(url, model=model, extra_body=extra_body) as client:
@@ -105,9 +108,10 @@ def concurrency_sweep(
                     except Exception as exc:  # counted and reported, the sweep goes on
                         with lock:
                             errors.append(f"{type(exc).__name__}: {exc}")
-                        continue
-                    with lock:
-                        results.append(timing)
+                    else:
+                        with lock:
+                            results.append(timing)
+                    phase.advance()
 
         start = time.perf_counter()
         with ThreadPoolExecutor(max_workers=level) as pool:

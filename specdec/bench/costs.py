@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specdec.batch.blocks import run_of
@@ -46,6 +47,7 @@ class Costs:
 
 
 KEY = "cost"
+WARMUP_REPS = 3  # untimed repetitions before the timed ones
 
 
 def _timed_pass(runner: BatchRunner, context: list[int], extra: list[int]) -> float:
@@ -59,9 +61,11 @@ def _timed_pass(runner: BatchRunner, context: list[int], extra: list[int]) -> fl
 
 
 def measure_costs(
-    target_model, draft_model, context: list[int], ks: list[int], *, reps: int = 20, warmup: int = 3
+    target_model, draft_model, context: list[int], ks: list[int], *, reps: int = 20, warmup: int = WARMUP_REPS,
+    on_rep: Callable[[], None] = lambda: None,
 ) -> Costs:
-    """Median step and verify times over ``reps`` interleaved repetitions."""
+    """Median step and verify times over ``reps`` interleaved repetitions; ``on_rep`` is called
+    after each of the ``warmup + reps`` repetitions."""
     if len(context) < 2:
         raise ValueError("cost measurement needs a context of at least 2 tokens")
     ks = sorted({k for k in ks if k >= 1})
@@ -84,6 +88,7 @@ def measure_costs(
             if rep >= warmup:
                 for key, t in sample.items():
                     times[key].append(t)
+            on_rep()
     finally:
         target.release(KEY)
         if draft is not None:

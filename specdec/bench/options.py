@@ -20,6 +20,7 @@ import argparse
 import json
 from dataclasses import dataclass, field
 
+from specdec.bench.progress import add_progress_argument
 from specdec.bench.workloads import WORKLOADS
 
 PRESETS = {
@@ -106,6 +107,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--out", help="write the results as JSON here")
     o.add_argument("--plots", help="directory for PNG plots (default: next to --out)")
     o.add_argument("--no-plots", action="store_true")
+    add_progress_argument(o)
 
 
 @dataclass

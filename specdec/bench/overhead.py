@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from specdec import compute
+from specdec.bench.progress import SILENT, Phase
 
 # The demo target's depth, heads and vocabulary, with almost no width.
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=30, num_attention_heads=4,
@@ -114,7 +115,9 @@ def engine_step_s(engine, rows: int, steps: int) -> tuple[float, dict]:
     return statistics.median(t.total_s for t in full), split
 
 
-def run(rows_list: list[int], steps: int = 24, threads: int | None = None, numerics: str = "fast") -> list[dict]:
+def run(rows_list: list[int], steps: int = 24, threads: int | None = None, numerics: str = "fast",
+        phase: Phase = SILENT) -> list[dict]:
+    """One result per level of ``rows_list`` (``phase`` counts the levels)."""
     if threads:
         compute.set_threads(threads)
     model = compute.run(build_model)
@@ -123,10 +126,12 @@ def run(rows_list: list[int], steps: int = 24, threads: int | None = None, numer
     engine.generate(list(range(1, 9)), max_tokens=4, mode="off")  # warm-up
     results = []
     for rows in rows_list:
+        phase.now(f"{rows} rows, {steps} steps")
         step, split = engine_step_s(engine, rows, steps)
         dense = compute.run(dense_step_s, model, rows, PROMPT_TOKENS + steps // 2, reps=max(8, steps // 2))
         results.append({"rows": rows, "engine_ms": 1e3 * step, "dense_ms": 1e3 * dense,
                         "ratio": step / dense, **{f"{k}_ms": 1e3 * v for k, v in split.items()}})
+        phase.advance()
     engine.loop.close()
     return results
 

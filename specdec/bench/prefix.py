@@ -20,6 +20,7 @@ import statistics
 import threading
 import time
 
+from specdec.bench.progress import SILENT, Phase
 from specdec.bench.workloads import CHAT_QUESTIONS
 
 ANSWER_TOKENS = 100  # what a request writes before the capacity measurement cancels it
@@ -106,21 +107,26 @@ def capacity(engine, questions: list[str], *, default_max_tokens: int = 2048, ti
 
 
 def run(models: dict, *, system_tokens: int = 2000, requests: int = 8, kv_budget: int = 8192,
-        capacity_requests: int = 64) -> dict:
+        capacity_requests: int = 64, phase: Phase = SILENT) -> dict:
+    """TTFT without and with the prefix cache, then the capacity run (``phase`` counts the three)."""
     from specdec.config import ModelConfig
     from specdec.engine import Engine
 
     out: dict = {"ttft": {}, "capacity": None}
     for caching in (False, True):
+        phase.now(f"TTFT, prefix cache {'on' if caching else 'off'}, {system_tokens}-token system prompt")
         engine = Engine.load(ModelConfig(**models), kv_cache_tokens=16384, max_num_seqs=16, prefix_caching=caching)
         system = system_prompt(engine.tokenizer, system_tokens)
         engine.generate(engine.encode(prompt="Hello"), max_tokens=2, mode="off")  # warm-up
         out["ttft"]["on" if caching else "off"] = ttft(engine, system, CHAT_QUESTIONS[:requests])
         engine.loop.close()
+        phase.advance()
+    phase.now(f"capacity, {capacity_requests} requests in {kv_budget} KV tokens")
     engine = Engine.load(ModelConfig(**models), kv_cache_tokens=kv_budget, max_num_seqs=capacity_requests)
     questions = (CHAT_QUESTIONS * (capacity_requests // len(CHAT_QUESTIONS) + 1))[:capacity_requests]
     out["capacity"] = capacity(engine, questions)
     engine.loop.close()
+    phase.advance()
     return out
 
 

@@ -10,6 +10,9 @@ shapes change, the answer must not). Any greedy difference exits nonzero.
     specdec quality                                   # the demo pair, in process
     specdec quality --numerics fast                   # the same with the fast numerics
     specdec quality --url http://127.0.0.1:8000       # a running server (return_token_ids)
+
+Loading and the answers (plain, each mode, batched: one phase) show on stderr, on a terminal
+or with ``--progress``; the table goes to stdout.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import argparse
 import json
 import threading
 from collections.abc import Callable
+
+from specdec.bench.progress import SILENT, Phase, Progress, add_progress_argument
 
 SUITE: dict[str, list[str]] = {
     "factual": [
@@ -73,15 +78,31 @@ def compare(reference: dict[str, list[int]], answers: dict[str, list[int]]) -> d
             "first_difference": earliest}
 
 
-def run(send: Send, modes: list[str], max_tokens: int, suite: dict[str, list[str]] = SUITE) -> list[dict]:
-    """Rows of (mode, prompt class) -> ``compare`` against plain decoding alone."""
+def requests_total(modes: list[str], suite: dict[str, list[str]] = SUITE) -> int:
+    """The requests ``run`` sends: the suite plain, in each mode, and batched."""
+    return sum(map(len, suite.values())) * (len(modes) + 2)
+
+
+def _answers(send: Send, prompts: list[tuple[str, str]], mode: str, max_tokens: int, phase: Phase) -> dict:
+    got = {}
+    for cls, p in prompts:
+        phase.now(f"{mode}, {cls}")
+        got[p] = send(p, mode, max_tokens)
+    return got
+
+
+def run(send: Send, modes: list[str], max_tokens: int, suite: dict[str, list[str]] = SUITE,
+        phase: Phase = SILENT) -> list[dict]:
+    """Rows of (mode, prompt class) -> ``compare`` against plain decoding alone; ``phase``
+    counts the requests (``requests_total``)."""
+    send = phase.counting(send)
     prompts = [(cls, p) for cls, ps in suite.items() for p in ps]
-    plain = {p: send(p, "off", max_tokens) for _, p in prompts}
+    plain = _answers(send, prompts, "off", max_tokens, phase)
     rows = []
     for mode in modes:
-        got = {p: send(p, mode, max_tokens) for _, p in prompts}
-        rows += _rows(mode, suite, plain, got)
+        rows += _rows(mode, suite, plain, _answers(send, prompts, mode, max_tokens, phase))
     # batched: every prompt at once, each with the next mode in turn (and some plain)
+    phase.now(f"batched, {len(prompts)} at once")
     batch_modes = ["off", *modes]
     got: dict[str, list[int]] = {}
 
@@ -143,9 +164,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--numerics", choices=["batch_invariant", "fast"], default="batch_invariant",
                    help="in process: the target's numerics")
     p.add_argument("--out", help="write the rows as JSON")
+    add_progress_argument(p)
 
 
 def run_from_args(args) -> int:
+    progress = Progress("quality", force=args.progress)
     if args.url:
         send = http_sender(args.url, args.model, args.api_key)
         modes = args.modes.split(",") if args.modes else ["auto"]
@@ -155,10 +178,15 @@ def run_from_args(args) -> int:
         from specdec.config import ModelConfig
         from specdec.engine import Engine
 
-        engine = Engine.load(ModelConfig(**models_from_args(args), numerics=args.numerics), max_num_seqs=32)
+        models = models_from_args(args)
+        with progress.phase("load", 1) as phase:
+            phase.now(models["target"])
+            engine = Engine.load(ModelConfig(**models, numerics=args.numerics), max_num_seqs=32)
+            phase.advance()
         send = in_process_sender(engine)
         modes = args.modes.split(",") if args.modes else ["auto", *engine.drafters]
-    rows = run(send, modes, args.max_tokens)
+    with progress.phase("answers", requests_total(modes)) as phase:
+        rows = run(send, modes, args.max_tokens, phase=phase)
     print(table(rows))
     if args.out:
         with open(args.out, "w") as f:

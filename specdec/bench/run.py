@@ -11,6 +11,9 @@ Order of work:
 6. optionally sweep concurrency over HTTP;
 7. reduce to rows (``report``), check the targets, print, write JSON and plots.
 
+Steps 1, 3, 4, 5 and 6 are the phases of the progress line (``progress``: on stderr, on a
+terminal or with ``--progress``).
+
 Every run ignores EOS and produces exactly ``max_tokens`` tokens.
 """
 
@@ -21,7 +24,6 @@ import os
 import platform
 import shutil
 import statistics
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -30,9 +32,10 @@ import torch
 
 from specdec import compute
 from specdec.bench.configs import HF_LOOKUP_DEFAULT_TOKENS, BenchConfig, build_configs
-from specdec.bench.costs import measure_costs
+from specdec.bench.costs import WARMUP_REPS, measure_costs
 from specdec.bench.inproc import RunResult, peak_rss_mb, run_hf, run_ours
 from specdec.bench.options import BenchOptions
+from specdec.bench.progress import QUIET, SILENT, Phase, Progress
 from specdec.bench.report import (
     format_concurrency,
     format_table,
@@ -139,13 +142,7 @@ def _cost_context(prompts: list[Prompt]) -> list[int]:
     return lengths[len(lengths) // 2].ids
 
 
-def _progress(total: int):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc="bench", unit="run", file=sys.stderr, disable=None)
-
-
-def run_bench(opts: BenchOptions) -> dict:
+def run_bench(opts: BenchOptions, progress: Progress = QUIET) -> dict:
     """Run the benchmark; return the report (what ``--out`` writes)."""
     import transformers
 
@@ -155,9 +152,12 @@ def run_bench(opts: BenchOptions) -> dict:
         compute.set_threads(opts.threads)
     transformers.logging.set_verbosity_error()  # assisted generation warns on every call
     try:
-        bench = Bench(opts)
+        with progress.phase("load", 1) as phase:
+            phase.now(opts.target or ("the tiny pair" if opts.tiny else "the demo pair"))
+            bench = Bench(opts)
+            phase.advance()
         try:
-            return _run(bench, opts, started)
+            return _run(bench, opts, started, progress)
         finally:
             bench.close()
     finally:
@@ -165,21 +165,20 @@ def run_bench(opts: BenchOptions) -> dict:
         transformers.logging.set_verbosity(verbosity)
 
 
-def _run(bench: Bench, opts: BenchOptions, started: float) -> dict:
+def _run(bench: Bench, opts: BenchOptions, started: float, progress: Progress) -> dict:
     prompts = _prompts(bench, opts)
     active, skipped = _configurations(bench, opts)
-    log.info("measuring c and v(k) on a %d-token context", len(_cost_context(prompts)))
-    # v(k) at every k the runs use: --ks, the policy's largest k, transformers' lookup default,
-    # a tree mode's nodes.
-    policy = getattr(bench.engine, "policy_config", None)
-    k_max, nodes = getattr(policy, "k_max", 8), getattr(policy, "tree_nodes", 16)
-    cost_ks = sorted(set(range(1, max(opts.ks) + 1)) | {k_max, HF_LOOKUP_DEFAULT_TOKENS, nodes})
-    costs = compute.run(measure_costs, bench.target_model, bench.draft_model, _cost_context(prompts), cost_ks,
-                        reps=opts.cost_reps)
-    _warm_up(bench, opts, prompts[0], active, skipped)
-    results = _measure(bench, opts, prompts, active, skipped)
+    with progress.phase("costs", WARMUP_REPS + opts.cost_reps) as phase:
+        costs = _costs(bench, opts, prompts, phase)
+    with progress.phase("warm-up", len(active)) as phase:
+        _warm_up(bench, opts, prompts[0], active, skipped, phase)
+    with progress.phase("runs", opts.repeats * len(prompts) * len(active)) as phase:
+        results = _measure(bench, opts, prompts, active, skipped, phase)
     active = [c for c in active if c.name in results]
-    concurrency = _concurrency(bench, opts, prompts) if bench.client is not None else None
+    concurrency = None
+    if bench.client is not None:
+        with progress.phase("HTTP concurrency", sum(opts.concurrency) * opts.requests_per_stream) as phase:
+            concurrency = _concurrency(bench, opts, prompts, phase)
     rows = _rows(opts, prompts, active, results, costs)
     return _report(bench, opts, started, prompts, costs, rows, skipped, concurrency)
 
@@ -208,39 +207,56 @@ def _configurations(bench: Bench, opts: BenchOptions) -> tuple[list[BenchConfig]
     return active, skipped
 
 
-def _warm_up(bench: Bench, opts: BenchOptions, prompt: Prompt, active: list[BenchConfig], skipped: list[dict]):
+def _costs(bench: Bench, opts: BenchOptions, prompts: list[Prompt], phase: Phase = SILENT):
+    """c and v(k) at every k the runs use: --ks, the policy's largest k, transformers' lookup
+    default, a tree mode's nodes."""
+    context = _cost_context(prompts)
+    log.info("measuring c and v(k) on a %d-token context", len(context))
+    policy = getattr(bench.engine, "policy_config", None)
+    k_max, nodes = getattr(policy, "k_max", 8), getattr(policy, "tree_nodes", 16)
+    cost_ks = sorted(set(range(1, max(opts.ks) + 1)) | {k_max, HF_LOOKUP_DEFAULT_TOKENS, nodes})
+    phase.now(f"c and v(k) for k in {cost_ks}, {len(context)}-token context")
+    return compute.run(measure_costs, bench.target_model, bench.draft_model, context, cost_ks,
+                       reps=opts.cost_reps, on_rep=phase.advance)
+
+
+def _warm_up(bench: Bench, opts: BenchOptions, prompt: Prompt, active: list[BenchConfig], skipped: list[dict],
+             phase: Phase = SILENT):
     """First calls pay one-off costs; a configuration that cannot run at all goes."""
     for cfg in list(active):
+        phase.now(cfg.name)
         try:
             bench.run(cfg, prompt, min(WARMUP_TOKENS, opts.max_tokens), repeat=-1)
         except Exception as exc:
             log.warning("skipping %s: %s: %s", cfg.name, type(exc).__name__, exc)
             skipped.append({"name": cfg.name, "reason": f"{type(exc).__name__}: {exc}"})
             active.remove(cfg)
+        phase.advance()
 
 
 def _measure(bench: Bench, opts: BenchOptions, prompts: list[Prompt], active: list[BenchConfig],
-             skipped: list[dict]) -> dict[str, list[RunResult]]:
+             skipped: list[dict], phase: Phase = SILENT) -> dict[str, list[RunResult]]:
     """Every configuration on every prompt, ``repeats`` times, in a rotating order."""
     results: dict[str, list[RunResult]] = defaultdict(list)
-    with _progress(opts.repeats * len(prompts) * len(active)) as bar:
-        for repeat in range(opts.repeats):
-            for p_index, prompt in enumerate(prompts):
-                shift = (repeat * len(prompts) + p_index) % max(len(active), 1)
-                for cfg in active[shift:] + active[:shift]:
-                    if any(s["name"] == cfg.name for s in skipped):
-                        continue
-                    try:
-                        results[cfg.name].append(bench.run(cfg, prompt, opts.max_tokens, repeat))
-                    except Exception as exc:
-                        log.warning("dropping %s after a failed run: %s: %s", cfg.name, type(exc).__name__, exc)
-                        skipped.append({"name": cfg.name, "reason": f"{type(exc).__name__}: {exc}"})
-                        results.pop(cfg.name, None)
-                    bar.update(1)
+    for repeat in range(opts.repeats):
+        for p_index, prompt in enumerate(prompts):
+            shift = (repeat * len(prompts) + p_index) % max(len(active), 1)
+            for cfg in active[shift:] + active[:shift]:
+                if any(s["name"] == cfg.name for s in skipped):
+                    phase.drop()  # dropped after a failed run: its other runs will not happen
+                    continue
+                phase.now(f"{cfg.name}, {prompt.workload}, repeat {repeat + 1}/{opts.repeats}")
+                try:
+                    results[cfg.name].append(bench.run(cfg, prompt, opts.max_tokens, repeat))
+                except Exception as exc:
+                    log.warning("dropping %s after a failed run: %s: %s", cfg.name, type(exc).__name__, exc)
+                    skipped.append({"name": cfg.name, "reason": f"{type(exc).__name__}: {exc}"})
+                    results.pop(cfg.name, None)
+                phase.advance()
     return results
 
 
-def _concurrency(bench: Bench, opts: BenchOptions, prompts: list[Prompt]) -> dict:
+def _concurrency(bench: Bench, opts: BenchOptions, prompts: list[Prompt], phase: Phase = SILENT) -> dict:
     """The HTTP concurrency sweep against the running server."""
     from specdec.bench.client import concurrency_sweep
 
@@ -251,7 +267,7 @@ def _concurrency(bench: Bench, opts: BenchOptions, prompts: list[Prompt]) -> dic
         "levels": concurrency_sweep(
             bench.client.url, bench.client.model, prompts, list(opts.concurrency),
             requests_per_stream=opts.requests_per_stream, max_tokens=opts.max_tokens,
-            mode=opts.http_mode, k=k, extra_body=opts.http_extra,
+            mode=opts.http_mode, k=k, extra_body=opts.http_extra, phase=phase,
         ),
     }
 

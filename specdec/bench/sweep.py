@@ -12,6 +12,9 @@ and p50 / p95 time to first token, side by side, and optionally plots them.
 
 With ``--http`` one run measures both, side by side: the in-process engine first, then a
 local Ray Serve application of the same models (``in_process`` colocation) on 127.0.0.1.
+
+Each row is printed to stdout as JSON when its level ends; the phases (load, warm-up, the
+requests of every level and mode) show on stderr on a terminal or with ``--progress``.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import time
 from dataclasses import dataclass
 
 from specdec import compute
+from specdec.bench.progress import QUIET, SILENT, Phase, Progress, add_progress_argument
 from specdec.plugins import local_server
 
 WORKLOAD_PROMPTS = {
@@ -111,14 +115,40 @@ def http_sender(url: str, model: str, mode: str, max_tokens: int, chat: bool):
     return send
 
 
-def sweep(make_sender, modes: list[str], levels: list[int], requests: int, prompts: list[str]) -> list[dict]:
+def sweep(make_sender, modes: list[str], levels: list[int], requests: int, prompts: list[str],
+          phase: Phase = SILENT) -> list[dict]:
+    """One row per (level, mode), printed as JSON as it ends; ``phase`` counts the requests
+    (``requests_total``)."""
     rows = []
     for level in levels:
         for mode in modes:  # interleaved per level: drifts in machine load hit both modes alike
-            row = {"mode": mode, **run_level(make_sender(mode), level, requests, prompts)}
+            phase.now(f"{mode}, {level} streams x {requests}")
+            row = {"mode": mode, **run_level(phase.counting(make_sender(mode)), level, requests, prompts)}
             rows.append(row)
-            print(json.dumps(row), flush=True)
+            phase.print_stdout(json.dumps(row))
     return rows
+
+
+def requests_total(modes: list[str], levels: list[int], requests: int) -> int:
+    """The requests ``sweep`` sends."""
+    return len(modes) * sum(levels) * requests
+
+
+def _warm_up(make_sender, modes: list[str], prompt: str, phase: Phase) -> None:
+    for mode in modes:
+        phase.now(mode)
+        make_sender(mode)(prompt)
+        phase.advance()
+
+
+def _section(progress: Progress, where: str, make_sender, modes: list[str], levels: list[int], requests: int,
+             prompts: list[str], warm_up: bool = True) -> list[dict]:
+    """Warm every mode up once (``warm_up``), then sweep: two phases."""
+    if warm_up:
+        with progress.phase(f"{where}: warm-up", len(modes)) as phase:
+            _warm_up(make_sender, modes, prompts[0], phase)
+    with progress.phase(where, requests_total(modes, levels, requests)) as phase:
+        return sweep(make_sender, modes, levels, requests, prompts, phase)
 
 
 def table(rows: list[dict], where: str) -> str:
@@ -172,6 +202,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, help="torch threads (default: what torch picks)")
     p.add_argument("--out", help="write the rows as JSON")
     p.add_argument("--plot", help="write a PNG of tokens/s and TPOT against concurrency")
+    add_progress_argument(p)
 
 
 def models_from_args(args) -> dict:
@@ -186,7 +217,7 @@ def models_from_args(args) -> dict:
             "eagle_head": str(paths["eagle"]), "medusa_heads": str(paths["medusa"])}
 
 
-def run(args) -> dict:
+def run(args, progress: Progress = QUIET) -> dict:
     levels = [int(x) for x in args.concurrency.split(",")]
     modes = args.modes.split(",")
     prompts = WORKLOAD_PROMPTS[args.workload]
@@ -194,7 +225,7 @@ def run(args) -> dict:
     sections: dict[str, list[dict]] = {}
     if args.url:
         http = lambda m: http_sender(args.url, args.model, m, args.max_tokens, chat)  # noqa: E731
-        sections["HTTP"] = sweep(http, modes, levels, args.requests, prompts)
+        sections["HTTP"] = _section(progress, "HTTP", http, modes, levels, args.requests, prompts, warm_up=False)
         return sections
     import torch
 
@@ -206,22 +237,24 @@ def run(args) -> dict:
     models = models_from_args(args)
     numerics = args.numerics.split(",")
     for numeric in numerics:
-        engine = Engine.load(ModelConfig(**models, numerics=numeric), max_num_seqs=max(levels))
-        send = lambda m: in_process_sender(engine, m, args.max_tokens, chat)  # noqa: E731
-        for mode in modes:
-            send(mode)(prompts[0])  # warm-up
         where = "in process" if len(numerics) == 1 else f"in process, numerics {numeric}"
-        sections[where] = sweep(send, modes, levels, args.requests, prompts)
+        with progress.phase(f"{where}: load", 1) as phase:
+            phase.now(models["target"])
+            engine = Engine.load(ModelConfig(**models, numerics=numeric), max_num_seqs=max(levels))
+            phase.advance()
+        send = lambda m: in_process_sender(engine, m, args.max_tokens, chat)  # noqa: E731
+        sections[where] = _section(progress, where, send, modes, levels, args.requests, prompts)
         engine.loop.close()
     models["numerics"] = numerics[0]
     if args.http:
-        stop = local_server()(models, port=args.port, name="sweep", max_num_seqs=max(levels))
+        with progress.phase("HTTP: start a local Serve", 1) as phase:
+            phase.now(f"127.0.0.1:{args.port}")
+            stop = local_server()(models, port=args.port, name="sweep", max_num_seqs=max(levels))
+            phase.advance()
         try:
             url = f"http://127.0.0.1:{args.port}"
             http = lambda m: http_sender(url, "sweep", m, args.max_tokens, chat)  # noqa: E731
-            for mode in modes:
-                http(mode)(prompts[0])
-            sections["HTTP"] = sweep(http, modes, levels, args.requests, prompts)
+            sections["HTTP"] = _section(progress, "HTTP", http, modes, levels, args.requests, prompts)
         finally:
             stop()
     return sections
@@ -234,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_from_args(args) -> int:
-    sections = run(args)
+    sections = run(args, Progress("sweep", force=args.progress))
     for where, rows in sections.items():
         print(f"\n{where}, {args.workload}, {args.max_tokens} tokens per request, {args.requests} per stream")
         print(table(rows, where))
