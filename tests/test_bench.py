@@ -652,3 +652,15 @@ def test_the_prefix_bench_prints_ttft_with_a_shared_system_prompt_and_capacity(t
     assert c["held_at_once"] == 8 and c["held_by_reservation"] < 8 and 0 < c["mean_answer_tokens"] <= 100
     printed = capsys.readouterr().out
     assert "TTFT, prefix cache" in printed and "held at once: 8 (paged)" in printed
+
+
+def test_the_structured_bench_runs_every_mode_three_ways(llama_pair):
+    from specdec.bench import structured
+
+    models = {"target": str(llama_pair["target"]), "draft": str(llama_pair["draft"]), "dtype": "float32"}
+    result = structured.run(models, ["off", "draft", "medusa"], prompts=1, max_tokens=12)
+    assert [r["mode"] for r in result["rows"]] == ["off", "draft"]  # the tiny pair has no Medusa heads
+    for row in result["rows"]:
+        assert row["free"]["tokens"] == row["any text"]["tokens"] == 12 and 0 < row["JSON schema"]["tokens"] <= 12
+    assert result["rows"][1]["free"]["acceptance"] is not None
+    assert "| draft |" in structured.table(result)

@@ -4,6 +4,7 @@ Modules, one concept each:
 
 - ``overhead``   the engine's own cost per step (``--overhead``), a near-zero-compute model
 - ``prefix``     the paged KV cache (``--prefix``): TTFT with a shared system prompt, requests held at once
+- ``structured`` what structured output costs per mode (``--structured``): free, any-text grammar, JSON schema
 - ``quality``    ``specdec quality``: every mode's greedy answers on a shipped suite against plain decoding
 - ``ideal``      the ideal-speedup math (pure; worked example in its docstring)
 - ``workloads``  the seeded prompt sets: chat, code, grounded, sampling
@@ -66,6 +67,30 @@ def _prefix(args: argparse.Namespace) -> int:
     return 0
 
 
+def _structured(args: argparse.Namespace) -> int:
+    from specdec import compute
+    from specdec.bench import structured
+    from specdec.bench.progress import Progress
+    from specdec.bench.run import tiny_pair
+    from specdec.bench.sweep import models_from_args
+
+    if args.threads:
+        compute.set_threads(args.threads)
+    if args.tiny and not args.target:
+        paths = tiny_pair()
+        models = {"target": str(paths["target"]), "draft": str(paths["draft"]), "dtype": args.dtype}
+    else:
+        models = models_from_args(args)
+    modes = [m for m in args.structured_modes.split(",") if m]
+    prompts, max_tokens = args.prompts or 4, args.max_tokens or 96
+    with Progress("bench", force=args.progress).phase("structured", len(modes) * 3 * prompts) as phase:
+        result = structured.run(models, modes, prompts=prompts, max_tokens=max_tokens, phase=phase)
+    print(structured.table(result))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+    return 0
+
+
 def run_from_args(args: argparse.Namespace) -> int:
     """The ``bench`` subcommand: run, print the table, write JSON and plots."""
     from specdec.bench.options import BenchOptions
@@ -76,6 +101,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         return _overhead(args)
     if args.prefix:
         return _prefix(args)
+    if args.structured:
+        return _structured(args)
     opts = BenchOptions.from_args(args)
     report = run_bench(opts, Progress("bench", force=args.progress))
     print(render(report))

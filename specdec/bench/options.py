@@ -84,6 +84,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--system-tokens", type=int, default=2000, help="with --prefix: the shared system prompt")
     r.add_argument("--kv-budget", type=int, default=8192, help="with --prefix: the capacity run's KV tokens")
     r.add_argument("--capacity-requests", type=int, default=64, help="with --prefix: requests of the capacity run")
+    r.add_argument("--structured", action="store_true",
+                   help="what structured output costs per mode: free text, a grammar that allows any text, a JSON "
+                        "schema (--prompts, --max-tokens, --structured-modes)")
+    r.add_argument("--structured-modes", default="off,draft,eagle,ngram,auto",
+                   help="with --structured: the modes, comma-separated")
     r.add_argument("--workloads", type=_workloads, default=list(WORKLOADS),
                    help=f"comma-separated subset of {','.join(WORKLOADS)}")
     r.add_argument("--prompts", type=int, help="prompts per workload")
