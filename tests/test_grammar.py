@@ -142,3 +142,14 @@ def test_sampled_structured_output_has_the_constrained_distribution(pair, monkey
           f"verification {control['outside']} of 300 answers left it")
     assert counts["outside"] == 0 and p_value > 1e-3
     assert control["outside"] > 30
+
+
+def test_logprobs_under_a_grammar_are_finite_and_only_what_it_allows(pair):
+    engine = pair["engine"]
+    ids = engine.encode(prompt=PROMPTS[0])
+    res = engine.generate(ids, max_tokens=12, mode="draft", k=3, grammar=CHOICES, logprobs=20)
+    assert res.finish_reason == "stop" and res.text in ("cat", "dog", "tree", "the old house")
+    g = grammar.tracker().grammars
+    for j, (lp, top) in enumerate(res.logprobs):
+        allowed = g.after(g.matcher(CHOICES, []), res.token_ids[:j], 512)
+        assert lp > float("-inf") and top and all(v > float("-inf") and bool(allowed[t]) for t, v in top)

@@ -190,7 +190,9 @@ def _with_logprobs(rows: list[VerifyRow], verdicts: list[Verdict], logits: torch
     out, j = list(verdicts), 0
     for i in asked:
         n, want = len(verdicts[i].tokens), rows[i].logprobs
-        entries = tuple((chosen[j + m], tuple(zip(top_i[j + m][:want], top_v[j + m][:want]))) for m in range(n))
+        # a grammar may leave fewer than ``want`` tokens possible: the impossible ones are not "top"
+        entries = tuple((chosen[j + m], tuple((t, v) for t, v in zip(top_i[j + m][:want], top_v[j + m][:want])
+                                              if v != -math.inf)) for m in range(n))
         out[i] = dataclasses.replace(verdicts[i], logprobs=entries)
         j += n
     return out
