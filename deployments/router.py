@@ -212,11 +212,11 @@ class SpecRouter:
         failed it)."""
         try:  # tokenizing a long prompt is CPU work: off the event loop
             greq = await asyncio.to_thread(self._prepare, req)
-            echoed = await self._echo(req, greq)
         except RequestError as exc:
             yield Error(400, str(exc), exc.param, exc.code)
             return
         try:
+            echoed = await self._echo(req, greq)
             async for event in self._choices(req, greq, echoed):
                 yield event
         except Exception as exc:  # never let a request take the replica down

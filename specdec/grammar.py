@@ -93,8 +93,8 @@ class Grammars:
         """A matcher that has consumed ``output`` (tokens the grammar does not allow end it)."""
         m = xgr.GrammarMatcher(self.compile(spec))
         for token in output:
-            if not m.accept_token(int(token)):
-                break
+            if m.is_terminated() or not m.accept_token(int(token)):
+                break  # past the end (ignore_eos) nothing is constrained
         return m
 
     def unpack(self, bitmask: torch.Tensor, width: int) -> torch.Tensor:
@@ -119,6 +119,8 @@ class Grammars:
             return self.next_allowed(m, width)
         fork = m.fork()
         for token in path:
+            if fork.is_terminated():
+                break
             if not fork.accept_token(int(token)):
                 return torch.zeros(width, dtype=torch.bool)
         return self.next_allowed(fork, width)
@@ -169,7 +171,8 @@ class Tracker:
             entry = self._by_key.get(key)
             if entry is not None and entry.spec == spec and output[: len(entry.consumed)] == entry.consumed:
                 for token in output[len(entry.consumed):]:
-                    entry.matcher.accept_token(int(token))
+                    if entry.matcher.is_terminated() or not entry.matcher.accept_token(int(token)):
+                        break
                 entry.consumed = output
                 return entry.matcher
             self._by_key[key] = _Entry(spec, self.grammars.matcher(spec, output), output)

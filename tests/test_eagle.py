@@ -82,9 +82,10 @@ def test_greedy_equals_plain_decoding(engine, k):
     assert accepted > 50, accepted
 
 
-@pytest.mark.parametrize("nodes,width,k", [(8, 2, 3), (16, 4, 5)])
+@pytest.mark.parametrize("nodes,width,k", [(8, 2, 3), (16, 4, 5), (16, 8, 8)])
 def test_eagle_tree_greedy_equals_plain_decoding(engine, nodes, width, k):
-    """EAGLE-2-style dynamic trees from the head: the same tokens, longer accepted paths."""
+    """EAGLE-2-style dynamic trees from the head: the same tokens, longer accepted paths; a deep
+    wide tree (width 8) near the end of a request outgrows the row's range and is cut to it."""
     from specdec.policy import PolicyConfig
 
     engine.policy_config = PolicyConfig(tree_nodes=nodes)
@@ -96,9 +97,12 @@ def test_eagle_tree_greedy_equals_plain_decoding(engine, nodes, width, k):
         for mode in accepted:
             spec = engine.generate(ids, max_tokens=30, mode=mode, k=k)
             assert spec.token_ids == plain.token_ids, (prompt, mode, nodes, width, k)
+            assert all(r.draft_error is None for r in spec.rounds), (prompt, mode)
             accepted[mode] += spec.speculation.accepted_tokens
     engine.policy_config = PolicyConfig()
-    assert accepted["eagle_tree"] >= accepted["eagle"] > 50, accepted
+    assert accepted["eagle"] > 50, accepted
+    if width <= 4:  # a tree of 16 nodes 8 wide is shallow: a chain of 8 may go deeper
+        assert accepted["eagle_tree"] >= accepted["eagle"], accepted
 
 
 def test_eagle_in_a_batch_with_other_modes_and_auto(engine):

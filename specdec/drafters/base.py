@@ -188,7 +188,8 @@ class Chains:
             self.tokens[i].append(token)
             self.confidence[i].append(confidence)
             self.reach[i] *= confidence
-            if i in self.walkers and not self.walkers[i].accept_token(token):
+            walker = self.walkers.get(i)
+            if walker is not None and not walker.is_terminated() and not walker.accept_token(token):
                 self.stopped.add(i)  # the grammar ends here (or the drafter strayed): verification decides
             elif confidence < threshold or self.reach[i] < rows[i].stop_below:
                 self.stopped.add(i)  # unsure: let the target speak before drafting further

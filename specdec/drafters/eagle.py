@@ -111,9 +111,9 @@ class EagleDrafter:
             plans, tokens, inputs, fed = [], [], [], []
             for j in branching:
                 row, g = rows[live[j]], grown.grown[live[j]]
-                frontier = list(g.frontier)
                 before = len(g.fed)
                 node_tokens, parents, new = grown.feed(live[j])
+                frontier = list(g.frontier)  # what feed kept of it: the range holds that many more
                 n = len(row.context)
                 plans.append(RowPlan(row.blocks, n - 1 + before, new, n - 1, parents))
                 tokens.extend(node_tokens[before:])
