@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -68,6 +69,7 @@ class Grammars:
         self.vocab = vocab
         self.compiler = xgr.GrammarCompiler(info, max_threads=1)
         self._shift = torch.arange(32, dtype=torch.int32)
+        self.seconds = 0.0  # spent making matchers and masks since the start (the bench reads it)
 
     def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         """The compiled grammar (cached by the compiler); ValueError for a source it cannot read."""
@@ -91,10 +93,12 @@ class Grammars:
 
     def matcher(self, spec: GrammarSpec, output: Sequence[int]) -> xgr.GrammarMatcher:
         """A matcher that has consumed ``output`` (tokens the grammar does not allow end it)."""
+        t0 = time.perf_counter()
         m = xgr.GrammarMatcher(self.compile(spec))
         for token in output:
             if m.is_terminated() or not m.accept_token(int(token)):
                 break  # past the end (ignore_eos) nothing is constrained
+        self.seconds += time.perf_counter() - t0
         return m
 
     def unpack(self, bitmask: torch.Tensor, width: int) -> torch.Tensor:
@@ -109,9 +113,12 @@ class Grammars:
         """bool [width]: what ``m`` allows next (everything once it has ended)."""
         if m.is_terminated():
             return torch.ones(width, dtype=torch.bool)
+        t0 = time.perf_counter()
         bitmask = xgr.allocate_token_bitmask(1, self.vocab)
         m.fill_next_token_bitmask(bitmask)
-        return self.unpack(bitmask, width)[0]
+        allowed = self.unpack(bitmask, width)[0]
+        self.seconds += time.perf_counter() - t0
+        return allowed
 
     def after(self, m: xgr.GrammarMatcher, path: Sequence[int], width: int) -> torch.Tensor:
         """bool [width]: what the grammar allows after ``m``'s state and ``path``; ``m`` is unchanged."""
@@ -143,10 +150,13 @@ class Grammars:
             else:
                 first[parent] = node
             last_child[parent] = node
+        t0 = time.perf_counter()
         bitmask = xgr.allocate_token_bitmask(n + 1, self.vocab)
         m.traverse_draft_tree(torch.tensor(first, dtype=torch.int64), torch.tensor(sibling, dtype=torch.int64),
                               torch.tensor([0, *drafts], dtype=torch.int64), bitmask)
-        return self.unpack(bitmask, width)
+        allowed = self.unpack(bitmask, width)
+        self.seconds += time.perf_counter() - t0
+        return allowed
 
 
 @dataclass

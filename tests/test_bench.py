@@ -658,9 +658,10 @@ def test_the_structured_bench_runs_every_mode_three_ways(llama_pair):
     from specdec.bench import structured
 
     models = {"target": str(llama_pair["target"]), "draft": str(llama_pair["draft"]), "dtype": "float32"}
-    result = structured.run(models, ["off", "draft", "medusa"], prompts=1, max_tokens=12)
+    result = structured.run(models, ["off", "draft", "medusa"], prompts=1, max_tokens=12, repeats=1)
     assert [r["mode"] for r in result["rows"]] == ["off", "draft"]  # the tiny pair has no Medusa heads
     for row in result["rows"]:
         assert row["free"]["tokens"] == row["any text"]["tokens"] == 12 and 0 < row["JSON schema"]["tokens"] <= 12
+        assert row["free"]["grammar_s"] == 0 < row["any text"]["grammar_s"]
     assert result["rows"][1]["free"]["acceptance"] is not None
     assert "| draft |" in structured.table(result)

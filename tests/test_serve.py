@@ -538,6 +538,13 @@ def test_openai_client_logprobs_and_echo_are_the_targets(server, scorer, colocat
         top = ref[j - 1].topk(3)
         assert list(lp.top_logprobs[j].values()) == pytest.approx(top.values.tolist(), abs=1e-4)
     assert lp.text_offset[len(ids)] == len(PROMPTS[1]) or lp.tokens[len(ids) - 1] == ""
+    for mode in ("ngram", "early_exit", "eagle"):  # every drafter: the target's numbers, whatever drafted
+        r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0, logprobs=1,
+                                      extra_body={"speculation": {"mode": mode}, "return_token_ids": True})
+        ids, out = tok(PROMPTS[0])["input_ids"], r.choices[0].model_extra["token_ids"]
+        ref = scorer(ids + out)[len(ids) - 1:-1]
+        got = r.choices[0].logprobs.token_logprobs
+        assert got == pytest.approx([float(ref[j, t]) for j, t in enumerate(out)], abs=1e-4), mode
     # chat, streamed and not: the same entries
     messages = [{"role": "user", "content": "Say something about the cat."}]
     chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0, logprobs=True,

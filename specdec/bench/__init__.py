@@ -83,8 +83,9 @@ def _structured(args: argparse.Namespace) -> int:
         models = models_from_args(args)
     modes = [m for m in args.structured_modes.split(",") if m]
     prompts, max_tokens = args.prompts or 4, args.max_tokens or 96
-    with Progress("bench", force=args.progress).phase("structured", len(modes) * 3 * prompts) as phase:
-        result = structured.run(models, modes, prompts=prompts, max_tokens=max_tokens, phase=phase)
+    repeats = args.repeats or 2
+    with Progress("bench", force=args.progress).phase("structured", len(modes) * 3 * prompts * repeats) as phase:
+        result = structured.run(models, modes, prompts=prompts, max_tokens=max_tokens, repeats=repeats, phase=phase)
     print(structured.table(result))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
