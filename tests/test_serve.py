@@ -611,6 +611,10 @@ def test_usage_says_what_speculation_saved_and_the_trace_names_the_tenant(server
     trace = wait_for_traces(server["traces"], {trace_id})[trace_id]
     assert trace.attr("enduser.id") == "tenant-a"
     assert trace.attr("specdec.target_passes") == saved["target_passes"] and trace.attr("specdec.plain_passes") == 32
+    from specdec.tracing.cli import format_savings  # `specdec traces summary`: by tenant and model
+
+    row = next(line for line in format_savings([trace]) if "tenant-a" in line).split()
+    assert row[2:6] == ["1", "32", str(saved["target_passes"]), str(saved["passes_saved"])], row
 
 
 def test_structured_output_through_the_openai_client(server):

@@ -80,7 +80,27 @@ def format_summary(traces: list[Trace], window: str) -> str:
         for a in range(max(counts) + 1):
             share = counts[a] / len(drafted)
             lines.append(f"  {a:>3}  {'#' * round(share * 40):<40} {share * 100:5.1f}%")
-    return "\n".join(lines)
+    return "\n".join(lines + format_savings(traces))
+
+
+def format_savings(traces: list[Trace]) -> list[str]:
+    """What speculation saved, by tenant (the request's ``user``) and model: the target's passes
+    against plain decoding's (one per output token)."""
+    by: dict[tuple[str, str], list[int]] = {}
+    for t in traces:
+        passes, plain = t.attr("specdec.target_passes"), t.attr("specdec.plain_passes")
+        if passes is None or plain is None:
+            continue
+        row = by.setdefault((t.attr("enduser.id", "-"), t.attr("gen_ai.request.model", "-")), [0, 0, 0])
+        row[0], row[1], row[2] = row[0] + 1, row[1] + plain, row[2] + passes
+    if not by:
+        return []
+    lines = ["", "target passes saved by speculation, by user and model:",
+             f"  {'user':<20} {'model':<28} {'requests':>8} {'plain':>8} {'used':>8} {'saved':>8}"]
+    for (user, model), (n, plain, used) in sorted(by.items()):
+        lines.append(f"  {user[:20]:<20} {model[:28]:<28} {n:>8} {plain:>8} {used:>8} "
+                     f"{plain - used:>8} ({(plain - used) / plain if plain else 0:.0%})")
+    return lines
 
 
 # --- the CLI ---------------------------------------------------------------------------

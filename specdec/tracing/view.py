@@ -74,6 +74,8 @@ def format_waterfall(trace: Trace, *, width: int = 60, show_all: bool = False) -
         f"accepted {t.accepted}/{t.drafted} ({fmt(t.acceptance)})  "
         f"mean accepted length {fmt(t.mean_accepted_length)}  "
         f"latency {t.latency_ms:.1f} ms  TTFT {fmt(t.ttft_ms, '.1f')} ms  finish {t.finish_reason}",
+        f"user {t.attr('enduser.id', '-')}  target passes {t.attr('specdec.target_passes', '-')} "
+        f"(plain decoding: {t.attr('specdec.plain_passes', '-')})",
         "",
         f"{'':<26} {'ms':>9}  {'0 ms':<{width // 2}}{f'{total / 1e6:.1f} ms':>{width - width // 2}}",
     ]
