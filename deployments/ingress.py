@@ -119,6 +119,7 @@ class _Response:
         self.logprobs = logprobs
         self.created = int(time.time())
         self.choices = [_Choice() for _ in range(n)]
+        self.discarded: list[End] = []  # best_of's choices not returned: generated, so in usage
         self.error: Error | None = None
         self.mode = start.mode
 
@@ -142,13 +143,16 @@ class _Response:
             choice.text.append(event.text)
             choice.token_ids.extend(event.token_ids)
             choice.logprobs.extend(event.logprobs or ())
+        elif isinstance(event, End) and event.index < 0:
+            self.discarded.append(event)
         elif isinstance(event, End):
             self.choices[event.index].end = event
         elif isinstance(event, Error):
             self.error = event
 
     def _usage(self) -> dict:
-        ends = self.ends
+        """Every generated choice's tokens (best_of's unreturned ones too), the prompt's once."""
+        ends = self.ends + self.discarded
         p, c = ends[0].prompt_tokens, sum(e.completion_tokens for e in ends)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
                 "prompt_tokens_details": {"cached_tokens": ends[0].cached_tokens},
@@ -227,7 +231,7 @@ class _Response:
                     yield _sse(self._chunk(event.index, event.text, event.token_ids, None, event.index in first,
                                            event.logprobs))
                     first.discard(event.index)
-                elif isinstance(event, End):
+                elif isinstance(event, End) and event.index >= 0:
                     last = self._chunk(event.index, "", [], self._finish(event))
                     last["speculation"] = event.speculation
                     yield _sse(last)

@@ -181,8 +181,12 @@ class _Common(BaseModel):
         return self.max_completion_tokens or self.max_tokens
 
 
+TokenIds = list[Annotated[int, Field(ge=0, le=INT32_MAX)]]
+
+
 class CompletionRequest(_Common):
-    prompt: StrictStr | list[StrictStr]
+    # A text, or token ids (what lm-evaluation-harness sends); one prompt per request.
+    prompt: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="Each token's log-probability "
                                  "and this many most likely tokens at its position.")
     echo: StrictBool = Field(False, description="The prompt comes back before the completion (with logprobs: "
@@ -209,6 +213,8 @@ class CompletionRequest(_Common):
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, v):
+        if isinstance(v, list) and v and all(isinstance(t, int) for t in v):
+            return v  # one prompt of token ids
         if isinstance(v, list):
             if len(v) != 1:
                 raise ValueError("exactly one prompt per request")
@@ -260,7 +266,7 @@ class UnitRequest:
     HTTP edge (the models above hold OpenAI's defaults); the unit reads it as it is."""
 
     request_id: str
-    prompt: str | None
+    prompt: str | list[int] | None  # a text, or token ids
     messages: list[dict] | None
     max_tokens: int | None  # None: 16 for a completion, the rest of the context for chat (OpenAI)
     temperature: float

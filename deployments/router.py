@@ -161,9 +161,12 @@ class SpecRouter:
         max_prompt = limits.max_prompt_tokens or (limit - 1 if limit else None)
         field_ = "messages" if req.chat else "prompt"
         try:
-            ids = engine.encode(prompt=req.prompt, messages=req.messages, max_tokens=max_prompt)
+            ids = self._prompt_ids(req.prompt, max_prompt) if isinstance(req.prompt, list) else (
+                engine.encode(prompt=req.prompt, messages=req.messages, max_tokens=max_prompt))
         except PromptTooLong as exc:
             raise RequestError(str(exc), field_, "context_length_exceeded") from exc
+        except RequestError:
+            raise
         except Exception as exc:  # a chat template may reject a conversation
             raise RequestError(f"could not encode the prompt: {exc}", field_) from exc
         max_tokens = req.max_tokens
@@ -206,6 +209,15 @@ class SpecRouter:
         except ValueError as exc:
             raise RequestError(str(exc), "max_tokens") from exc
 
+    def _prompt_ids(self, ids: list[int], max_prompt: int | None) -> list[int]:
+        """A prompt given as token ids, checked against the vocabulary and the token limit."""
+        vocab = len(self.engine.tokenizer)
+        if any(t >= vocab for t in ids):
+            raise RequestError(f"prompt: token ids must be below the vocabulary size ({vocab})", "prompt")
+        if max_prompt is not None and len(ids) > max_prompt:
+            raise PromptTooLong(f"the prompt has {len(ids)} tokens; this server's limit is {max_prompt}")
+        return list(ids)
+
     async def generate(self, req: UnitRequest):
         """The request's typed events: ``Start``, then each choice's ``Delta`` per round and its
         ``End``; or one ``Error`` (400 before ``Start`` for a refused request, 500 if the unit
@@ -232,7 +244,8 @@ class SpecRouter:
         if req.logprobs is not None:
             scored = await asyncio.to_thread(self.engine.prompt_logprobs, ids, req.logprobs)
             logprobs = [(self._piece(ids[0]), None, None), *self._named(ids[1:], scored)]
-        return Delta(req.prompt or "", [], 0, logprobs)  # token_ids stay the completion's
+        text = req.prompt if isinstance(req.prompt, str) else self.engine.tokenizer.decode(ids)
+        return Delta(text, [], 0, logprobs)  # token_ids stay the completion's
 
     def _piece(self, token: int) -> str:
         return self.engine.tokenizer.decode([token])
@@ -275,13 +288,16 @@ class SpecRouter:
         if keep:
             def score(i: int) -> float:
                 return sum(lp for e in held[i] if isinstance(e, Delta) for _, lp, _ in e.logprobs or () if lp is not None)
-            for new, old in enumerate(sorted(range(count), key=lambda i: (-score(i), i))[: req.n]):
+            ranked = sorted(range(count), key=lambda i: (-score(i), i))
+            for new, old in enumerate(ranked[: req.n]):
                 if echoed is not None:
                     yield dataclasses.replace(echoed, index=new)
                 for event in held[old]:
                     if isinstance(event, Delta) and req.logprobs is None:
                         event = dataclasses.replace(event, logprobs=None)
                     yield dataclasses.replace(event, index=new)
+            for old in ranked[req.n:]:  # not returned, but generated: usage counts them (index -1)
+                yield dataclasses.replace(next(e for e in held[old] if isinstance(e, End)), index=-1)
 
     @staticmethod
     def _seeded(greq: GenerationRequest, index: int) -> GenerationRequest:

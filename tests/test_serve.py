@@ -541,10 +541,14 @@ def test_openai_client_logprobs_and_echo_are_the_targets(server, scorer, colocat
     for mode in ("ngram", "early_exit", "eagle"):  # every drafter: the target's numbers, whatever drafted
         r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0, logprobs=1,
                                       extra_body={"speculation": {"mode": mode}, "return_token_ids": True})
-        ids, out = tok(PROMPTS[0])["input_ids"], r.choices[0].model_extra["token_ids"]
-        ref = scorer(ids + out)[len(ids) - 1:-1]
+        asked, answer = tok(PROMPTS[0])["input_ids"], r.choices[0].model_extra["token_ids"]
+        ref = scorer(asked + answer)[len(asked) - 1:-1]
         got = r.choices[0].logprobs.token_logprobs
-        assert got == pytest.approx([float(ref[j, t]) for j, t in enumerate(out)], abs=1e-4), mode
+        assert got == pytest.approx([float(ref[j, t]) for j, t in enumerate(answer)], abs=1e-4), mode
+    # the prompt as token ids, as lm-evaluation-harness sends it: the same numbers
+    r = client.completions.create(model=MODEL, prompt=[ids], max_tokens=1, temperature=0, logprobs=1, echo=True)
+    assert r.choices[0].text.startswith(tok.decode(ids)) and r.choices[0].logprobs.token_logprobs[1:len(ids)] == \
+        pytest.approx(lp.token_logprobs[1:len(ids)], abs=1e-4)
     # chat, streamed and not: the same entries
     messages = [{"role": "user", "content": "Say something about the cat."}]
     chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0, logprobs=True,
@@ -583,6 +587,7 @@ def test_n_choices_share_the_prefill_and_are_seeded_reproducibly(server):
     sums = [sum(c.logprobs.token_logprobs) for c in sorted(scored.choices, key=lambda c: c.index)]
     best = client.completions.create(**{**body, "n": 1, "best_of": 4})
     assert ids(best) == [ids(scored)[sums.index(max(sums))]] and best.choices[0].logprobs is None
+    assert best.usage.completion_tokens == 48  # the three samples not returned were generated too
 
 
 def test_penalties_and_bias_over_http_equal_plain_decoding_with_them(server):
