@@ -1,4 +1,4 @@
-"""Batch-invariant numerics (``numerics: batch_invariant``, the default): in bf16 a token's logits
+"""Batch-invariant numerics (``numerics: batch_invariant``, the default): in bf16 and fp32 a token's logits
 do not depend on how many tokens its row carries or what else is in the step, so greedy output
 is the same with speculation on or off and alone or batched. The negative control: the fast
 numerics, where they are not invariant, give other logits for the same token."""
@@ -18,64 +18,76 @@ from specdec.trees import path_to
 CAP = 128
 
 
-@pytest.fixture(scope="module")
-def bf16_target():
+@pytest.fixture(scope="module", params=[torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def target(request):
     """Two layers with the demo target's attention shape (9 heads of 64, 3 key heads), random
-    weights, bf16: the shape at which bf16 kernels round other query counts differently."""
+    weights, in bf16 (a CPU with AVX-512 BF16 serves it so) and fp32 (``dtype: auto`` on one
+    without): the shape at which kernels round other query counts differently."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=9,
                       num_key_value_heads=3, vocab_size=512, max_position_embeddings=1024, initializer_range=0.1)
-    return LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    return LlamaForCausalLM(cfg).to(request.param).eval()
 
 
 def _logits_of_one_token(model, invariant: bool) -> dict[str, torch.Tensor]:
-    """The logits after ``ctx + [7]`` computed as a plain decode step, as the first of 4 tokens
-    of a draft row, inside a token tree, and with other rows in the step."""
+    """The logits after ``ctx + [7]`` computed as a plain decode step, as the first of 4 drafts
+    of a draft row, inside a token tree, and with other rows in the step. As in the step loop,
+    the last token of ``ctx`` is the pending one: the step that scores 7 (or the one before it,
+    for a plain step) feeds it."""
     gen = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
     ctx = torch.randint(1, vocab, (60,), generator=gen).tolist()
     others = [torch.randint(1, vocab, (n,), generator=gen).tolist() for n in (9, 31, 14)]
     tree, parents = [7, 8, 9, 10], (-1, -1, 0, 0)
 
+    def blocks(i):
+        return run_of(1 + blocks_for(CAP) * i, CAP)
+
     def runner():
         r = BatchRunner(model, capacity_tokens=8 * CAP, invariant=invariant)
-        r.forward([BatchRow("s", ctx, 0, run_of(1, CAP))] +
-                  [BatchRow(f"o{i}", o[:-1], 0, run_of(1 + blocks_for(CAP) * (i + 1), CAP)) for i, o in enumerate(others)])
+        r.forward([BatchRow("s", ctx[:-1], 0, blocks(0))] +
+                  [BatchRow(f"o{i}", o[:-2], 0, blocks(i + 1)) for i, o in enumerate(others)])
         return r
 
-    def with_others(row):
-        return [row] + [BatchRow(f"o{i}", o, 1, run_of(1 + blocks_for(CAP) * (i + 1), CAP)) for i, o in enumerate(others)]
+    def step(r, row, *, with_others: bool, last: bool = True):
+        rows = [row] + [BatchRow(f"o{i}", o if last else o[:-1], 1, blocks(i + 1)) for i, o in enumerate(others)]
+        return r.forward(rows if with_others else rows[:1])[0]
 
-    out = {"plain": runner().forward([BatchRow("s", ctx + [7], 1, run_of(1, CAP))])[0][0],
-           "chain": runner().forward([BatchRow("s", ctx + [7, 3, 4, 5], 4, run_of(1, CAP))])[0][0],
-           "batch": runner().forward(with_others(BatchRow("s", ctx + [7], 1, run_of(1, CAP))))[0][0],
-           "batch+chain": runner().forward(with_others(BatchRow("s", ctx + [7, 3, 4, 5], 4, run_of(1, CAP))))[0][0]}
+    def plain(with_others: bool):
+        r = runner()
+        step(r, BatchRow("s", ctx, 1, blocks(0)), with_others=with_others, last=False)
+        return step(r, BatchRow("s", ctx + [7], 1, blocks(0)), with_others=with_others)[0]
+
+    def chain(with_others: bool):
+        return step(runner(), BatchRow("s", ctx + [7, 3, 4, 5], 5, blocks(0)), with_others=with_others)[1]
+
     # the tree's node 0 is token 7: its logits are the same token's at the same position
-    scored = runner().forward(with_others(BatchRow("s", ctx[:-1] + [ctx[-1]] + tree, 5, run_of(1, CAP), parents)))[0]
     assert path_to(parents, 0) == [0]
-    out["batch+tree"] = scored[1]
-    return out
+    return {"plain": plain(False), "chain": chain(False), "batch": plain(True), "batch+chain": chain(True),
+            "batch+tree": step(runner(), BatchRow("s", ctx + tree, 5, blocks(0), parents), with_others=True)[1]}
 
 
-def test_a_tokens_bf16_logits_are_the_same_in_any_row_and_batch(bf16_target):
-    got = _logits_of_one_token(bf16_target, invariant=True)
+def test_a_tokens_logits_are_the_same_in_any_row_and_batch(target):
+    got = _logits_of_one_token(target, invariant=True)
     for name, logits in got.items():
         assert torch.equal(logits, got["plain"]), name
 
 
-def test_negative_control_the_fast_numerics_are_not_invariant_in_bf16(bf16_target):
-    got = _logits_of_one_token(bf16_target, invariant=False)
+def test_negative_control_the_fast_numerics_are_not_invariant(target):
+    got = _logits_of_one_token(target, invariant=False)
     assert not all(torch.equal(logits, got["plain"]) for logits in got.values())
 
 
-def test_bf16_greedy_output_alone_batched_and_speculative(llama_pair):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_greedy_output_alone_batched_and_speculative(llama_pair, dtype):
     """Eight greedy requests of mixed modes and lengths, at once, each equal to its prompt alone
-    with speculation off (the tiny pair's heads are too narrow for bf16 to round differently
-    here even with fast numerics: the logit-level control above is the one that must fail)."""
+    with speculation off, in bf16 and fp32 (the tiny pair's heads are too narrow to round
+    differently here even with fast numerics: the logit-level control above is the one that
+    must fail)."""
     engine = Engine.load(ModelConfig(target=str(llama_pair["target"]), draft=str(llama_pair["draft"]),
-                                     dtype="bfloat16"), max_num_seqs=8)
+                                     dtype=dtype), max_num_seqs=8)
     prompts = ["The cat", "A dog sees", "My friend likes the", "The robot builds a red ball at night. The",
                "Our teacher", "The river follows", "A bird hears a song", "def f3(x): return x +"]
     modes = ["off", "draft", "draft_tree", "ngram", "auto", "draft", "off", "draft_tree"]
@@ -114,12 +126,74 @@ def _plain_and_chained_logits(model) -> int:
     return sum(not torch.equal(a, b) for a, b in zip(plain, chained))
 
 
-def test_one_token_steps_are_padded_onto_the_many_row_products(bf16_target, monkeypatch):
-    """A one-row matrix product takes another path than a many-row one and rounds differently
-    (bf16 on this CPU class): invariant numerics pad a one-token step to two tokens. Negative
-    control: without the padding the same 40 tokens give other logits somewhere."""
-    from specdec.batch import runner as runner_mod
+def test_steps_are_padded_onto_the_row_counts_that_round_alike(target, monkeypatch):
+    """A matrix product of few rows can take another kernel than a many-row one and round
+    differently (which counts do is the CPU's and the dtype's: ``specdec.batch.numerics``
+    measures them); invariant numerics pad a step's tokens and the LM head's rows up to a count
+    that rounds as a large batch does. Negative control, where this CPU has such counts:
+    without the padding the same 40 tokens give other logits somewhere."""
+    from specdec.batch import numerics
 
-    assert _plain_and_chained_logits(bf16_target) == 0
-    monkeypatch.setattr(runner_mod, "INVARIANT_MIN_TOKENS", {torch.bfloat16: 1})
-    assert _plain_and_chained_logits(bf16_target) > 0
+    assert _plain_and_chained_logits(target) == 0
+    agreeing = numerics.agreeing_counts(numerics.product_shapes(target), target.dtype, "cpu")
+    if 1 in agreeing and 5 in agreeing:
+        pytest.skip(f"{target.dtype} products of 1 and 5 rows round as a large batch's here: nothing to pad")
+    monkeypatch.setattr(numerics, "padded", lambda count, agreeing: count)
+    assert _plain_and_chained_logits(target) > 0
+
+
+def test_the_probed_row_counts_round_as_a_large_batch():
+    """What the probe reports, checked on other weights and inputs: every count it calls agreeing
+    gives a 300-row product's rows bitwise (fp32 and bf16, the demo target's shapes)."""
+    import torch.nn.functional as F
+
+    from specdec.batch import numerics
+
+    gen = torch.Generator().manual_seed(1)
+    for dtype in (torch.float32, torch.bfloat16):
+        shapes = (("linear", 576, 1536), ("linear", 1536, 576))
+        agreeing = numerics.agreeing_counts(shapes, dtype, "cpu")
+        assert agreeing and max(agreeing) == numerics.PROBE_ROWS
+        for _, n_in, n_out in shapes:
+            w = torch.randn(n_out, n_in, generator=gen).to(dtype)
+            x = torch.randn(300, n_in, generator=gen).to(dtype)
+            ref = F.linear(x, w)
+            for m in agreeing:
+                assert torch.equal(F.linear(x[:m], w), ref[:m]), (dtype, m)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_grouped_query_rounds_alike_at_any_position_and_batch(dtype):
+    """The invariant attention's premise (``attention._Group``): with the probed query rows, a
+    query's output over its keys is bitwise the same at every position of groups of 2 to 12
+    entries whose other queries see other keys. Negative control, where the probe had to add
+    rows: with the query heads alone, some position rounds differently."""
+    from specdec.batch import attention
+
+    kv_heads, groups, dim = 3, 3, 64
+    gen = torch.Generator().manual_seed(2)
+    rows = attention.group_query_rows(kv_heads, groups, dim, dtype, "cpu")
+    assert rows >= groups
+
+    def outputs(rows):
+        q0 = torch.randn(kv_heads, groups, dim, generator=gen).to(dtype)
+        n = 150
+        k0, v0 = (torch.randn(kv_heads, n, dim, generator=gen).to(dtype) for _ in range(2))
+        length = attention.key_slots(n)
+        out = []
+        for entries in (2, 3, 7, 12):
+            for at in range(entries):
+                q = torch.randn(entries, kv_heads, groups, dim, generator=gen).to(dtype)
+                k, v = (torch.randn(kv_heads, entries, length, dim, generator=gen).to(dtype) for _ in range(2))
+                q[at], k[:, at, :n], v[:, at, :n] = q0, k0, v0
+                mask = torch.zeros(entries, 1, 1, length, dtype=torch.bool)
+                for b in range(entries):
+                    mask[b, 0, 0, : n if b == at else 1 + (31 * b) % length] = True
+                out.append(attention._entries(q, k.transpose(0, 1), v.transpose(0, 1), mask, 0.125, rows)[at])
+        return out
+
+    got = outputs(rows)
+    assert all(torch.equal(o, got[0]) for o in got)
+    if rows > groups:
+        alone = outputs(groups)
+        assert not all(torch.equal(o, alone[0]) for o in alone)

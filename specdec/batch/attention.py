@@ -24,6 +24,7 @@ multi-token query over a cache up with the first keys instead of the last.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from dataclasses import dataclass
 
@@ -114,58 +115,99 @@ def pack(rows: list[RaggedRow], device: torch.device | str) -> Packed | None:
                   everything)
 
 
-@dataclass(frozen=True)
-class _Query:
-    """One query attending alone (batch-invariant numerics): flat token ``t`` over the pool rows
-    ``keys`` (a slice, or an index on the device: a block table's, or a tree node's ancestors)."""
+INVARIANT_MIN_QUERIES = 2  # invariant: a group's fewest entries (fp32 SDPA rounds a batch of one apart)
 
-    t: int
-    keys: slice | torch.Tensor
+
+def key_slots(n: int) -> int:
+    """The key slots of a ``_Group`` entry with ``n`` keys: ``n`` rounded up to a multiple of 64
+    up to 1,024 keys, then of a sixteenth of the power of two at or above it (padding under 1/8
+    of the keys from 512 on; at most eight groups an octave of lengths).
+
+    >>> [key_slots(n) for n in (1, 64, 65, 300, 513, 1000, 1100, 5000)]
+    [64, 64, 128, 320, 576, 1024, 1152, 5120]
+    """
+    step = max(64, 1 << max(0, (max(n, 1) - 1).bit_length() - 4))
+    return -(-max(n, 1) // step) * step
+
+
+@dataclass(frozen=True)
+class _Group:
+    """Queries that each attend alone to their own keys, in ONE call per layer (batch-invariant
+    numerics): ``B`` entries of one query (its heads folded onto its key heads) over ``L`` key
+    slots, a mask marking the query's keys, ``L = key_slots(n)`` for every entry's ``n`` keys.
+    A query's output then depends on its keys alone: the call's shape for it follows from its
+    key count, and CPU SDPA rounds an entry alike in any batch of at least
+    ``INVARIANT_MIN_QUERIES`` entries at any position (given ``group_query_rows``), while a
+    batch of one or another padding can round differently (measured with fp32 on an AMD EPYC
+    with AVX2 and bf16 with AVX-512 BF16; ``tests/test_numerics.py``).
+
+    tokens:  [b] the flat token of each real entry (the group's output rows, in order)
+    queries: [B] the flat token of each entry (past b: repeats, their outputs dropped)
+    keys:    [B * L] the pool row of each key slot (0, the scratch row, past a query's keys)
+    mask:    [B, 1, 1, L] bool, True = attend
+    """
+
+    tokens: torch.Tensor
+    queries: torch.Tensor
+    keys: torch.Tensor
+    mask: torch.Tensor
+    l: int  # noqa: E741
+
+
+def _query_keys(r: RaggedRow) -> list[tuple[int, torch.Tensor]]:
+    """(flat token, [count] pool rows it may see) for each query of a row: the context and, in a
+    chain, the tokens before it; in a tree, its ancestors."""
+    rows = r.key_rows()
+    if r.mask is None:
+        return [(r.t0 + j, rows) for j in range(r.q)]
+    return [(r.t0 + j, rows[r.mask[j]]) for j in range(r.q)]
+
+
+def _groups(queries: list[tuple[int, torch.Tensor]], device) -> list[_Group]:
+    """The queries in one ``_Group`` per key-slot count."""
+    by_slots: dict[int, list[tuple[int, torch.Tensor]]] = {}
+    for t, keys in queries:
+        by_slots.setdefault(key_slots(len(keys)), []).append((t, keys))
+    out = []
+    for length, chunk in sorted(by_slots.items()):
+        entries = chunk + [chunk[-1]] * max(0, INVARIANT_MIN_QUERIES - len(chunk))
+        keys = torch.zeros(len(entries), length, dtype=torch.long)
+        mask = torch.zeros(len(entries), 1, 1, length, dtype=torch.bool)
+        for b, (_, rows) in enumerate(entries):
+            keys[b, : len(rows)] = rows
+            mask[b, 0, 0, : len(rows)] = True
+        out.append(_Group(torch.tensor([t for t, _ in chunk], device=device),
+                          torch.tensor([t for t, _ in entries], device=device),
+                          keys.flatten().to(device), mask.to(device), length))
+    return out
 
 
 @dataclass(frozen=True)
 class _Step:
     rows: list[RaggedRow]
     packed: Packed | None
-    queries: dict[int, list[_Query]]  # invariant: row -> its queries, each attending alone
-    alone: list[int]  # the rows neither packed nor split into queries
-
-
-def _queries(r: RaggedRow, device) -> list[_Query]:
-    """Each query of a multi-token row as the lone query of a decode step would attend: the
-    same call (one query, no mask) over exactly the keys it may see."""
-    out, rows = [], None
-    for j in range(r.q):
-        seen = torch.ones(r.n, dtype=torch.bool) if r.mask is None else r.mask[j]
-        count = int(seen.sum())
-        if bool(seen[:count].all()) and isinstance(r.keys, slice):  # causal (a chain, a prompt): a view
-            out.append(_Query(r.t0 + j, slice(r.keys.start, r.keys.start + count)))
-            continue
-        rows = r.key_rows().to(device) if rows is None else rows
-        if bool(seen[:count].all()):
-            out.append(_Query(r.t0 + j, rows[:count]))
-        else:  # a tree node: the context and its ancestors
-            out.append(_Query(r.t0 + j, rows[seen.nonzero()[:, 0].to(device)]))
-    return out
+    groups: list[_Group]  # invariant: every query of the rows of at most PACK_MAX_QUERIES tokens
+    alone: list[int]  # the rows neither packed nor grouped
 
 
 def bind(rows: list[RaggedRow], device: torch.device | str = "cpu", *, invariant: bool = False) -> None:
     """Bind a step's rows (their masks on the host) to this thread's next forward on ``device``.
 
-    ``invariant``: batch-invariant numerics. No row shares a call, and each query of a row of
-    at most ``PACK_MAX_QUERIES`` tokens (a decode row's pending token, drafts, tree nodes)
-    attends alone, the way a lone decode step's query does: the logits of a token then do not
-    depend on how many tokens its row carries or on what else is in the step (bf16 kernels
-    round differently for other query counts, masks and paddings). A longer row (a prompt
-    chunk) attends in one causal call: it depends only on the chunk, which the step loop
-    cuts at fixed places in this mode.
+    ``invariant``: batch-invariant numerics. Every query of a row of at most
+    ``PACK_MAX_QUERIES`` tokens (a decode row's pending token, drafts, tree nodes) attends alone
+    to exactly the keys it may see, in a ``_Group`` call whose rounding does not depend on the
+    other queries in it: the logits of a token then do not depend on how many tokens its row
+    carries or on what else is in the step, and a step of many rows still makes few calls a
+    layer. A longer row (a prompt chunk) attends in one causal call: it depends only on the
+    chunk, which the step loop cuts at fixed places in this mode.
     """
     packed = None if invariant else pack(rows, device)
-    queries = {i: _queries(r, device) for i, r in enumerate(rows) if 1 < r.q <= PACK_MAX_QUERIES} if invariant else {}
-    taken = set(packed.rows if packed is not None else ()) | set(queries)
+    small = [i for i, r in enumerate(rows) if r.q <= PACK_MAX_QUERIES] if invariant else []
+    groups = _groups([q for i in small for q in _query_keys(rows[i])], device) if small else []
+    taken = set(packed.rows if packed is not None else ()) | set(small)
     alone = [i for i in range(len(rows)) if i not in taken]
     rows = [_on(r, device) if i not in taken else r for i, r in enumerate(rows)]
-    _BOUND.step = _Step(rows, packed, queries, alone)
+    _BOUND.step = _Step(rows, packed, groups, alone)
 
 
 def _on(r: RaggedRow, device) -> RaggedRow:
@@ -209,10 +251,67 @@ def _lone_query(q, k, v, scaling) -> torch.Tensor:
     return F.scaled_dot_product_attention(packed, k, v, scale=scaling).reshape(1, heads, 1, dim)
 
 
-def _one_query(qr: _Query, query, key, value, scaling) -> torch.Tensor:
-    """[1, H, 1, D]: one query of a multi-token row alone, as a decode row's is."""
-    return _lone_query(query[:, :, qr.t: qr.t + 1], key[:, qr.keys].unsqueeze(0), value[:, qr.keys].unsqueeze(0),
-                       scaling)
+def _group_attention(g: _Group, query, key, value, scaling) -> torch.Tensor:
+    """[H, b, D]: each real entry's query over its own keys (``_Group``)."""
+    heads, kv_heads, dim = query.shape[1], key.shape[0], query.shape[3]
+    entries = g.queries.numel()
+    k = key.index_select(1, g.keys).unflatten(1, (entries, g.l)).transpose(0, 1)  # [B, Hkv, L, D]
+    v = value.index_select(1, g.keys).unflatten(1, (entries, g.l)).transpose(0, 1)
+    q = query[0].index_select(1, g.queries).transpose(0, 1).reshape(entries, kv_heads, heads // kv_heads, dim)
+    out = _entries(q, k, v, g.mask, scaling)  # [B, Hkv, G, D]
+    return out.reshape(entries, heads, dim)[: g.tokens.numel()].transpose(0, 1)
+
+
+def _entries(q, k, v, mask, scaling, rows: int | None = None) -> torch.Tensor:
+    """[B, Hkv, G, D]: q [B, Hkv, G, D] over k / v [B, Hkv, L, D] where ``mask`` [B, 1, 1, L] is
+    True, each entry carrying ``rows`` query rows (``group_query_rows``; 0: a call an entry)."""
+    batch, kv_heads, groups, dim = q.shape
+    if rows is None:
+        rows = group_query_rows(kv_heads, groups, dim, q.dtype, str(q.device))
+    if rows == 0:
+        return torch.cat([F.scaled_dot_product_attention(q[b: b + 1], k[b: b + 1], v[b: b + 1], attn_mask=mask[b: b + 1],
+                                                         scale=scaling) for b in range(batch)])
+    if rows > groups:  # repeats of the last query row, dropped after
+        q = torch.cat([q, q[:, :, -1:].expand(-1, -1, rows - groups, -1)], dim=2)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)[:, :, :groups]
+
+
+@functools.cache
+def group_query_rows(kv_heads: int, groups: int, dim: int, dtype: torch.dtype, device: str) -> int:
+    """How many query rows a ``_Group`` entry carries (its ``groups`` query heads, then repeats
+    of the last): the fewest, from ``groups`` to 16, at which an entry's output is bitwise the
+    same at every position of batches of 2, 5 and 9 entries; 0 where none is (then each entry has a call of its own). Measured once per shape because
+    it is the kernel's: CPU SDPA splits a batch across threads, and on an AMD EPYC with AVX2
+    an fp32 entry of an odd number of rows rounds differently on the second thread."""
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype=dtype, device=device)
+
+    def output(rows, q0, k0, v0, entries, at, length):
+        """The probed entry's output at position ``at`` among random others, laid out as a
+        group's gather is (a transposed view of [Hkv, B * L, D])."""
+        n = k0.shape[1]
+        q = rand(entries, kv_heads, groups, dim)
+        q[at] = q0
+        k, v = rand(kv_heads, entries, length, dim), rand(kv_heads, entries, length, dim)
+        k[:, at, :n], v[:, at, :n] = k0, v0
+        mask = torch.zeros(entries, 1, 1, length, dtype=torch.bool, device=device)
+        for b in range(entries):
+            mask[b, 0, 0, : n if b == at else 1 + (17 * b) % length] = True
+        return _entries(q, k.transpose(0, 1), v.transpose(0, 1), mask, 1.0, rows)[at]
+
+    cases = [(rand(kv_heads, groups, dim), rand(kv_heads, n, dim), rand(kv_heads, n, dim)) for n in (37, 300, 700)]
+    for rows in range(groups, 17):
+        def agrees(q0, k0, v0):
+            length = key_slots(k0.shape[1])
+            ref = output(rows, q0, k0, v0, 2, 0, length)
+            return all(torch.equal(output(rows, q0, k0, v0, entries, at, length), ref)
+                       for entries in (2, 5, 9) for at in range(entries))
+
+        if all(agrees(*case) for case in cases):
+            return rows
+    return 0
 
 
 def _row_attention(r: RaggedRow, query, key, value, scaling) -> torch.Tensor:
@@ -236,14 +335,15 @@ def ragged_attention(module, query, key, value, attention_mask, dropout: float =
     p = step.packed
     if p is not None and p.everything:
         return _packed_attention(p, query, key, value, scaling).transpose(0, 1)[None], None
-    if p is None:
-        outs = [torch.cat([_one_query(qr, query, key, value, scaling) for qr in step.queries[i]], dim=2)
-                if i in step.queries else _row_attention(r, query, key, value, scaling)
-                for i, r in enumerate(step.rows)]
+    if p is None and not step.groups:
+        outs = [_row_attention(r, query, key, value, scaling) for r in step.rows]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         return out.transpose(1, 2).contiguous(), None
     out = query.new_empty(query.shape[1], query.shape[2], query.shape[3])  # [H, T, D]
-    out[:, p.tokens] = _packed_attention(p, query, key, value, scaling)
+    if p is not None:
+        out[:, p.tokens] = _packed_attention(p, query, key, value, scaling)
+    for g in step.groups:
+        out[:, g.tokens] = _group_attention(g, query, key, value, scaling)
     for i in step.alone:
         r = step.rows[i]
         out[:, r.t0: r.t0 + r.q] = _row_attention(r, query, key, value, scaling)[0]

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec import trees
+from specdec.batch import numerics
 from specdec.batch.attention import use_ragged
 from specdec.batch.blocks import BLOCK, blocks_for, prefix_hashes, slots
 from specdec.batch.cache import FlatBatchCache, RowPlan, kv_shape
@@ -89,14 +90,6 @@ class _Seq:
         return len(self.blocks) * BLOCK
 
 
-# Batch-invariant numerics: the fewest tokens a forward may carry. CPU matrix products take a
-# matrix-vector path for one row and a matrix-matrix path for more, which round differently
-# (measured on an AMD EPYC with oneDNN: bf16 rows agree for 2 to 600 rows, not with 1; fp32 rows
-# agree from 8 rows on); a step with fewer tokens is padded up to this many.
-INVARIANT_MIN_TOKENS = {torch.bfloat16: 2, torch.float16: 2}
-INVARIANT_MIN_TOKENS_DEFAULT = 8
-
-
 def default_capacity(config, dtype: torch.dtype, device: torch.device, max_length: int | None) -> int:
     """Pool tokens sized from the device: 60% of free GPU memory, or 10% of RAM on a CPU;
     never more than 64 full-length sequences. A unit decides this once (``specdec.engine``)."""
@@ -126,6 +119,9 @@ class BatchRunner:
             raise RuntimeError(f"a KV pool of {capacity} tokens does not fit on {self.device} next to the model; "
                                "free the device or configure a smaller kv_cache_tokens") from exc
         self.cache.invariant = invariant  # a token's logits do not depend on its row's length or the batch
+        # invariant: the row counts whose products round as a large batch's (``specdec.batch.numerics``)
+        self._agreeing = (numerics.agreeing_counts(numerics.product_shapes(model), self.dtype, str(self.device))
+                          if invariant else ())
         use_ragged(model)  # its attention reads each row's keys from the pool in place
         self._seqs: dict[str, _Seq] = {}
         self.features: torch.Tensor | None = None  # [pool rows, d] once keep_features() is called
@@ -324,11 +320,11 @@ class BatchRunner:
             offset += plan.feed
             keep_idx.extend(range(offset - row.num_logits, offset))
         pad = 0
-        if self.cache.invariant:  # every token's products on the many-row path (INVARIANT_MIN_TOKENS)
-            pad = max(0, INVARIANT_MIN_TOKENS.get(self.dtype, INVARIANT_MIN_TOKENS_DEFAULT) - len(tokens))
+        if self.cache.invariant:  # every product rounds as a large batch's (``specdec.batch.numerics``)
+            pad = numerics.padded(len(tokens), self._agreeing) - len(tokens)
             tokens = tokens + [tokens[-1]] * pad
-            if len(keep_idx) == 1:  # the LM head too: a second row (its logits are dropped)
-                keep_idx = keep_idx + [0 if keep_idx[0] else len(tokens) - 1]
+            if keep_idx:  # the LM head too: repeated rows, their logits dropped
+                keep_idx = keep_idx + [keep_idx[-1]] * (numerics.padded(len(keep_idx), self._agreeing) - len(keep_idx))
         input_ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         # Only the positions whose logits are asked for go through the LM head.
         keep = torch.tensor(keep_idx or [len(tokens) - 1], dtype=torch.long, device=self.device)

@@ -44,10 +44,9 @@ def _overhead(args: argparse.Namespace) -> int:
     return 0
 
 
-def _prefix(args: argparse.Namespace) -> int:
+def _models(args: argparse.Namespace) -> dict:
+    """The pair a focused bench mode runs on (the tiny pair with ``--tiny``), on ``--threads`` threads."""
     from specdec import compute
-    from specdec.bench import prefix
-    from specdec.bench.progress import Progress
     from specdec.bench.run import tiny_pair
     from specdec.bench.sweep import models_from_args
 
@@ -55,9 +54,15 @@ def _prefix(args: argparse.Namespace) -> int:
         compute.set_threads(args.threads)
     if args.tiny and not args.target:
         paths = tiny_pair()
-        models = {"target": str(paths["target"]), "draft": str(paths["draft"]), "dtype": args.dtype}
-    else:
-        models = models_from_args(args)
+        return {"target": str(paths["target"]), "draft": str(paths["draft"]), "dtype": args.dtype}
+    return models_from_args(args)
+
+
+def _prefix(args: argparse.Namespace) -> int:
+    from specdec.bench import prefix
+    from specdec.bench.progress import Progress
+
+    models = _models(args)
     with Progress("bench", force=args.progress).phase("prefix", 3) as phase:
         result = prefix.run(models, system_tokens=args.system_tokens, kv_budget=args.kv_budget,
                             capacity_requests=args.capacity_requests, phase=phase)
@@ -68,19 +73,10 @@ def _prefix(args: argparse.Namespace) -> int:
 
 
 def _structured(args: argparse.Namespace) -> int:
-    from specdec import compute
     from specdec.bench import structured
     from specdec.bench.progress import Progress
-    from specdec.bench.run import tiny_pair
-    from specdec.bench.sweep import models_from_args
 
-    if args.threads:
-        compute.set_threads(args.threads)
-    if args.tiny and not args.target:
-        paths = tiny_pair()
-        models = {"target": str(paths["target"]), "draft": str(paths["draft"]), "dtype": args.dtype}
-    else:
-        models = models_from_args(args)
+    models = _models(args)
     modes = [m for m in args.structured_modes.split(",") if m]
     prompts, max_tokens = args.prompts or 4, args.max_tokens or 96
     repeats = args.repeats or 2

@@ -49,8 +49,9 @@ def allowed(row: Row, proposal: Proposal, width: int) -> torch.Tensor | None:
     allows after the output and the drafts before position j (``specdec.grammar``)."""
     if row.grammar is None:
         return None
-    state = grammar.tracker().state(row.key, row.grammar, row.context[row.prompt_len:])
-    return grammar.tracker().grammars.tree_allowed(state, proposal.tokens, proposal.parents, width)
+    tracker = grammar.tracker()
+    state = tracker.state(row.key, row.grammar, row.context[row.prompt_len:])
+    return tracker.grammars.tree_allowed(state, proposal.tokens, proposal.parents, width)
 
 
 def draft_rows(rows: list[Row]) -> list[DraftRow]:

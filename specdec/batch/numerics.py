@@ -1,0 +1,67 @@
+"""Batch-invariant numerics, the matrix products' part: the token counts at which a product
+rounds each row as a large batch does.
+
+A CPU matrix product picks its kernel by the number of rows ``M``, and kernels round
+differently: measured with ``probe`` (rows of ``x[:M] @ W.T`` against the same rows of a
+96-row product), fp32 on an AMD EPYC with AVX2 only agrees for ``M`` in {4, 8} and from 12 on,
+bf16 on an AMD EPYC with AVX-512 BF16 from 2 on. It depends on the machine and the dtype, so
+a runner measures it once, on its own model's product shapes, and pads a step of ``T`` tokens
+(and the LM head's rows) up to the next count that agrees (``padded``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+PROBE_ROWS = 64  # counts probed; a step of more tokens is taken to agree (measured to 300 rows)
+REFERENCE_ROWS = 96
+PROBE_MAX_OUT = 4096  # a wider product (an LM head) is probed at this many outputs: the
+#                       kernel is chosen by M and the reduction, the same outputs from 32 to 49,152 here
+
+
+def product_shapes(model: torch.nn.Module) -> tuple[tuple[str, int, int], ...]:
+    """The distinct (op, inputs, outputs) of the model's matrix products: ``nn.Linear`` (F.linear)
+    and transformers' ``Conv1D`` (GPT-2's, an ``addmm``)."""
+    shapes = set()
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear):
+            shapes.add(("linear", m.in_features, m.out_features))
+        elif type(m).__name__ == "Conv1D" and getattr(m, "weight", None) is not None and m.weight.dim() == 2:
+            shapes.add(("addmm", m.weight.shape[0], m.weight.shape[1]))
+    return tuple(sorted(shapes))
+
+
+@functools.cache
+def agreeing_counts(shapes: tuple[tuple[str, int, int], ...], dtype: torch.dtype, device: str) -> tuple[int, ...]:
+    """Row counts in 1..PROBE_ROWS whose products equal, row for row and bitwise, the same rows
+    of a ``REFERENCE_ROWS``-row product, for every shape."""
+    gen = torch.Generator().manual_seed(0)
+    good = set(range(1, PROBE_ROWS + 1))
+    for op, n_in, n_out in shapes:
+        n_out = min(n_out, PROBE_MAX_OUT)
+        x = torch.randn(REFERENCE_ROWS, n_in, generator=gen).to(dtype=dtype, device=device)
+        if op == "linear":
+            w = torch.randn(n_out, n_in, generator=gen).to(dtype=dtype, device=device)
+            product = functools.partial(F.linear, weight=w)
+        else:
+            w = torch.randn(n_in, n_out, generator=gen).to(dtype=dtype, device=device)
+            b = torch.randn(n_out, generator=gen).to(dtype=dtype, device=device)
+            product = functools.partial(torch.addmm, b, mat2=w)
+        with torch.inference_mode():
+            ref = product(x)
+            good = {m for m in good if torch.equal(product(x[:m]), ref[:m])}
+    return tuple(sorted(good))
+
+
+def padded(count: int, agreeing: tuple[int, ...]) -> int:
+    """The fewest rows >= ``count`` that round as a large batch does.
+
+    >>> padded(1, (4, 8, 12, 13)), padded(5, (4, 8, 12, 13)), padded(9, (4, 8, 12, 13)), padded(70, (4,))
+    (4, 8, 12, 70)
+    """
+    if count > PROBE_ROWS:
+        return count
+    return next((m for m in agreeing if m >= count), PROBE_ROWS)
