@@ -129,11 +129,15 @@ def test_a_model_on_the_pool_still_decodes_correctly_outside_a_step(model):
     torch.testing.assert_close(out.float(), want[4:], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("max_queries", [0, 32])
-def test_one_padded_call_and_rows_alone_give_the_logits_of_a_dense_forward(model, monkeypatch, max_queries):
+@pytest.mark.parametrize("max_queries, invariant", [(0, False), (32, False), (32, True)],
+                         ids=["alone", "packed", "invariant"])
+def test_one_padded_call_and_rows_alone_give_the_logits_of_a_dense_forward(model, monkeypatch, max_queries,
+                                                                           invariant):
     """A step of every kind of row: decode rows, a k-draft chain, a token tree, a prompt chunk
     (over PACK_MAX_QUERIES: alone) and a row far longer than the others (alone); with packing
-    off (0) every row attends alone. Every logit equals a plain forward over the row's ids."""
+    off (0) every row attends alone; with the invariant numerics every query of the short rows
+    attends alone in its key-length group, over padded steps. Every logit equals a plain
+    forward over the row's ids."""
     from specdec.batch import attention
     from specdec.trees import path_to
 
@@ -142,7 +146,10 @@ def test_one_padded_call_and_rows_alone_give_the_logits_of_a_dense_forward(model
     real_pack = attention.pack
     monkeypatch.setattr(attention, "pack", lambda rows, dev: packs.append(real_pack(rows, dev)) or packs[-1])
     cap = 128
-    runner = BatchRunner(model, capacity_tokens=8 * cap)
+    runner = BatchRunner(model, capacity_tokens=8 * cap, invariant=invariant)
+    groups = []
+    real_groups = attention._groups
+    monkeypatch.setattr(attention, "_groups", lambda queries, dev: groups.append(real_groups(queries, dev)) or groups[-1])
     gen = torch.Generator().manual_seed(0)
     ids = [torch.randint(1, 300, (n,), generator=gen).tolist() for n in (6, 9, 7, 8, 40, 90)]
     tree_tokens, parents = [11, 12, 13, 14], (-1, -1, 0, 0)
@@ -154,8 +161,15 @@ def test_one_padded_call_and_rows_alone_give_the_logits_of_a_dense_forward(model
             BatchRow("4", ids[4], 1, at(4)),  # a whole prompt: 40 queries
             BatchRow("5", ids[5], 1, at(5))]  # 90 keys: over twice the median
     out = runner.forward(rows)
-    expected_packed = [0, 1, 2, 3] if max_queries else None
-    assert (packs[-1].rows if packs[-1] else None) == expected_packed
+    if invariant:  # no packing; the 12 queries of rows 0-3 and 5 (and any padding), grouped by key count
+        from specdec import numerics
+
+        fed = 1 + 1 + 4 + 5 + 40 + 1
+        pad = numerics.padded(fed, runner._agreeing) - fed
+        assert not packs and sum(g.tokens.numel() for g in groups[-1]) == 1 + 1 + 4 + 5 + 1 + pad
+    else:
+        expected_packed = [0, 1, 2, 3] if max_queries else None
+        assert (packs[-1].rows if packs[-1] else None) == expected_packed
     for i in (0, 1, 4, 5):
         assert torch.allclose(out[i][0], full_logits(model, ids[i])[-1], atol=1e-5), i
     assert torch.allclose(out[2], full_logits(model, ids[2] + [3, 4, 5])[-4:], atol=1e-5)
