@@ -187,7 +187,9 @@ def _upgrade_row(step: str, i: int, prints: list, windows: list, deploy_s: float
                 counts["exact"] += 1
             else:
                 counts["differs"] += 1
-                o.kind, o.detail = "differs", f"differs from the reference of {o.fingerprint}"
+                at = next((j for j, (a, b) in enumerate(zip(o.tokens or [], ref)) if a != b), min(len(o.tokens or []), len(ref)))
+                o.kind, o.detail = "differs", (f"differs from the reference of {o.fingerprint} from token {at}: "
+                                               f"{(o.tokens or [])[at:at + 4]} against {ref[at:at + 4]}")
     previous = sum(1 for o in chosen if i and o.fingerprint == prints[i - 1])
     return UpgradeRow(step, prints[i], round(deploy_s, 1), len(chosen), **counts, by_previous=previous)
 

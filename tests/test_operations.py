@@ -55,6 +55,9 @@ def test_a_rolling_upgrade_under_16_streams_loses_nothing(cluster, llama_pair, g
     nxt = {"target": str(gpt2_pair["target"]), "draft": str(gpt2_pair["draft"])}
     rows, report = asyncio.run(operate.run_upgrade(cluster, config, nxt, streams=16, settle_s=3.0))
     print(operate.table(rows))
+    for o in report.outcomes:
+        if o.kind == "differs":  # what a failure needs to be understood
+            print(f"{o.case} started at {o.started:.1f} s: {o.detail}")
     assert [r.step.split()[0] for r in rows] == ["initial", "flag", "speculation", "model"]
     for row in rows:
         assert row.server_errors == row.lost == row.differs == 0, row
