@@ -45,9 +45,8 @@ class ModelConfig(_Strict):
     dtype: DType = Field(
         "auto",
         description="Target dtype. auto: bfloat16 on a GPU and on a CPU with native bf16 instructions "
-        "(AVX-512 BF16, AMX), where a (k+1)-token verify pass costs about one step; on other CPUs, where bf16 "
-        "is emulated, whichever of float32 and bfloat16 measured faster on the machine (measured once, kept in "
-        "$SPECDEC_HOME/hardware.json, so every process there agrees). With numerics: fast, bf16 "
+        "(AVX-512 BF16, AMX), where a (k+1)-token verify pass costs about one step; float32 on other CPUs, "
+        "where bf16 is emulated and verifying k drafts costs nearly k steps. With numerics: fast, bf16 "
         "rounds a (k+1)-token pass and single steps differently and greedy output can differ at near-ties.",
     )
     numerics: Literal["batch_invariant", "fast"] = Field(

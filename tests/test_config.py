@@ -3,8 +3,6 @@ asked, the tokenizer's source, a context cap, aliases, vLLM's speculation names,
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from pydantic import ValidationError
 
@@ -71,40 +69,22 @@ def test_aliases_and_the_fingerprint():
     assert models.fingerprint == ModelConfig(target="t", served_model_name=["a", "b"]).fingerprint
 
 
-def test_dtype_auto_takes_bf16_where_native_else_what_measured_faster(monkeypatch):
+def test_dtype_auto_takes_bf16_only_where_it_is_native(monkeypatch):
     import specdec.hardware as hardware
 
     assert ModelConfig(target="t").dtype == "auto"
     monkeypatch.setattr(hardware.torch.cuda, "is_available", lambda: False)
-    for measured in ("float32", "bfloat16"):
-        monkeypatch.setattr(hardware, "measured_cpu_dtype", lambda m=measured: {"dtype": m})
-        for flags, want in [({"avx2", "avx512f", "avx512_bf16"}, "bfloat16"), ({"avx2", "amx_bf16"}, "bfloat16"),
-                            ({"avx2", "avx512f"}, measured), (set(), measured)]:
-            monkeypatch.setattr(hardware, "cpu_flags", lambda flags=flags: frozenset(flags))
-            assert resolve_dtype("auto", "auto") == want, (flags, measured)
-            assert resolve_dtype("float16", "cpu") == "float16"  # an explicit dtype is kept
+    for flags, want in [({"avx2", "avx512f", "avx512_bf16"}, "bfloat16"), ({"avx2", "amx_bf16"}, "bfloat16"),
+                        ({"avx2", "avx512f"}, "float32"), (set(), "float32")]:
+        monkeypatch.setattr(hardware, "cpu_flags", lambda flags=flags: frozenset(flags))
+        assert resolve_dtype("auto", "auto") == want, flags
+        assert resolve_dtype("float16", "cpu") == "float16"  # an explicit dtype is kept
     monkeypatch.setattr(hardware.torch.cuda, "is_bf16_supported", lambda: True)
     assert resolve_dtype("auto", "cuda") == "bfloat16"
-    # this machine's answer agrees with its CPU flags and its measurement
+    # this machine's answer agrees with its CPU flags
     monkeypatch.undo()
     native = any(f in hardware.cpu_flags() for f in hardware.BF16_CPU_FLAGS)
-    assert resolve_dtype("auto", "cpu") == ("bfloat16" if native else hardware.measured_cpu_dtype()["dtype"])
-
-
-def test_the_measured_cpu_dtype_is_kept_per_machine_and_needs_a_margin(monkeypatch, tmp_path):
-    import specdec.hardware as hardware
-
-    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
-    monkeypatch.setattr(hardware, "_MEASURED", {})
-    first = hardware.measured_cpu_dtype()
-    assert first["dtype"] in ("float32", "bfloat16") and first["float32_ms"] > 0 and first["bfloat16_ms"] > 0
-    faster = "bfloat16" if first["bfloat16_ms"] * hardware.BF16_MARGIN < first["float32_ms"] else "float32"
-    assert first["dtype"] == faster
-    # another process on the machine reads the file instead of measuring again
-    monkeypatch.setattr(hardware, "_MEASURED", {})
-    monkeypatch.setattr(hardware, "_measure", lambda: pytest.fail("measured twice"))
-    assert hardware.measured_cpu_dtype() == first
-    assert list(json.loads((tmp_path / "hardware.json").read_text()).values()) == [first]
+    assert resolve_dtype("auto", "cpu") == ("bfloat16" if native else "float32")
 
 
 def test_units_of_one_application_have_distinct_names():

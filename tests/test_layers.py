@@ -83,7 +83,7 @@ def _under(module: str, package: str) -> bool:
 # layer or the ones below it.
 LAYERS = [
     ("base", ["specdec", "specdec.paths", "specdec.sampling", "specdec.verify", "specdec.stats", "specdec.config",
-              "specdec.text", "specdec.plugins", "specdec.hardware", "specdec.numerics", "specdec.trees"]),
+              "specdec.text", "specdec.plugins", "specdec.hardware", "specdec.trees"]),
     ("tracing", ["specdec.telemetry", "specdec.tracing"]),
     ("models", ["specdec.models", "specdec.loading"]),
     ("the batched pass", ["specdec.batch"]),

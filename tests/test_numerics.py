@@ -128,11 +128,11 @@ def _plain_and_chained_logits(model) -> int:
 
 def test_steps_are_padded_onto_the_row_counts_that_round_alike(target, monkeypatch):
     """A matrix product of few rows can take another kernel than a many-row one and round
-    differently (which counts do is the CPU's and the dtype's: ``specdec.numerics``
+    differently (which counts do is the CPU's and the dtype's: ``specdec.batch.numerics``
     measures them); invariant numerics pad a step's tokens and the LM head's rows up to a count
     that rounds as a large batch does. Negative control, where this CPU has such counts:
     without the padding the same 40 tokens give other logits somewhere."""
-    from specdec import numerics
+    from specdec.batch import numerics
 
     assert _plain_and_chained_logits(target) == 0
     agreeing = numerics.agreeing_counts(numerics.product_shapes(target), target.dtype, "cpu")
@@ -147,7 +147,7 @@ def test_the_probed_row_counts_round_as_a_large_batch():
     gives a 300-row product's rows bitwise (fp32 and bf16, the demo target's shapes)."""
     import torch.nn.functional as F
 
-    from specdec import numerics
+    from specdec.batch import numerics
 
     gen = torch.Generator().manual_seed(1)
     for dtype in (torch.float32, torch.bfloat16):

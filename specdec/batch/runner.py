@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec import trees
-from specdec import numerics
+from specdec.batch import numerics
 from specdec.batch.attention import use_ragged
 from specdec.batch.blocks import BLOCK, blocks_for, prefix_hashes, slots
 from specdec.batch.cache import FlatBatchCache, RowPlan, kv_shape
@@ -119,7 +119,7 @@ class BatchRunner:
             raise RuntimeError(f"a KV pool of {capacity} tokens does not fit on {self.device} next to the model; "
                                "free the device or configure a smaller kv_cache_tokens") from exc
         self.cache.invariant = invariant  # a token's logits do not depend on its row's length or the batch
-        # invariant: the row counts whose products round as a large batch's (``specdec.numerics``)
+        # invariant: the row counts whose products round as a large batch's (``specdec.batch.numerics``)
         self._agreeing = (numerics.agreeing_counts(numerics.product_shapes(model), self.dtype, str(self.device))
                           if invariant else ())
         use_ragged(model)  # its attention reads each row's keys from the pool in place
@@ -320,7 +320,7 @@ class BatchRunner:
             offset += plan.feed
             keep_idx.extend(range(offset - row.num_logits, offset))
         pad = 0
-        if self.cache.invariant:  # every product rounds as a large batch's (``specdec.numerics``)
+        if self.cache.invariant:  # every product rounds as a large batch's (``specdec.batch.numerics``)
             pad = numerics.padded(len(tokens), self._agreeing) - len(tokens)
             tokens = tokens + [tokens[-1]] * pad
             if keep_idx:  # the LM head too: repeated rows, their logits dropped
