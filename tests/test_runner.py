@@ -162,7 +162,7 @@ def test_one_padded_call_and_rows_alone_give_the_logits_of_a_dense_forward(model
             BatchRow("5", ids[5], 1, at(5))]  # 90 keys: over twice the median
     out = runner.forward(rows)
     if invariant:  # no packing; the 12 queries of rows 0-3 and 5 (and any padding), grouped by key count
-        from specdec import numerics
+        from specdec.batch import numerics
 
         fed = 1 + 1 + 4 + 5 + 40 + 1
         pad = numerics.padded(fed, runner._agreeing) - fed
