@@ -187,9 +187,10 @@ def _upgrade_row(step: str, i: int, prints: list, windows: list, deploy_s: float
                 counts["exact"] += 1
             else:
                 counts["differs"] += 1
-                at = next((j for j, (a, b) in enumerate(zip(o.tokens or [], ref)) if a != b), min(len(o.tokens or []), len(ref)))
+                got = o.tokens or []
+                at = next((j for j, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))
                 o.kind, o.detail = "differs", (f"differs from the reference of {o.fingerprint} from token {at}: "
-                                               f"{(o.tokens or [])[at:at + 4]} against {ref[at:at + 4]}")
+                                               f"{got[at:at + 4]} against {ref[at:at + 4]}")
     previous = sum(1 for o in chosen if i and o.fingerprint == prints[i - 1])
     return UpgradeRow(step, prints[i], round(deploy_s, 1), len(chosen), **counts, by_previous=previous)
 

@@ -138,8 +138,8 @@ class _Group:
     A query's output then depends on its keys alone: the call's shape for it follows from its
     key count, and CPU SDPA rounds an entry alike in any batch of at least
     ``INVARIANT_MIN_QUERIES`` entries at any position (given ``group_query_rows``), while a
-    batch of one or another padding can round differently (measured with fp32 on an AMD EPYC
-    with AVX2 and bf16 with AVX-512 BF16; ``tests/test_numerics.py``).
+    batch of one or another padding can round differently (measured in fp32 and bf16 on an AMD
+    EPYC with AVX2 only; ``tests/test_numerics.py`` checks it wherever it runs).
 
     tokens:  [b] the flat token of each real entry (the group's output rows, in order)
     queries: [B] the flat token of each entry (past b: repeats, their outputs dropped)
@@ -280,9 +280,10 @@ def _entries(q, k, v, mask, scaling, rows: int | None = None) -> torch.Tensor:
 def group_query_rows(kv_heads: int, groups: int, dim: int, dtype: torch.dtype, device: str) -> int:
     """How many query rows a ``_Group`` entry carries (its ``groups`` query heads, then repeats
     of the last): the fewest, from ``groups`` to 16, at which an entry's output is bitwise the
-    same at every position of batches of 2, 5 and 9 entries; 0 where none is (then each entry has a call of its own). Measured once per shape because
-    it is the kernel's: CPU SDPA splits a batch across threads, and on an AMD EPYC with AVX2
-    an fp32 entry of an odd number of rows rounds differently on the second thread."""
+    same at every position of batches of 2, 5 and 9 entries; 0 where none is (then each entry
+    has a call of its own). Measured once per shape because it is the kernel's: CPU SDPA splits
+    a batch across threads, and on an AMD EPYC with AVX2 only an fp32 entry of an odd number of
+    rows rounds differently on the second thread."""
     gen = torch.Generator().manual_seed(0)
 
     def rand(*shape):

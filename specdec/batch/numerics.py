@@ -2,9 +2,9 @@
 rounds each row as a large batch does.
 
 A CPU matrix product picks its kernel by the number of rows ``M``, and kernels round
-differently: measured with ``probe`` (rows of ``x[:M] @ W.T`` against the same rows of a
-96-row product), fp32 on an AMD EPYC with AVX2 only agrees for ``M`` in {4, 8} and from 12 on,
-bf16 on an AMD EPYC with AVX-512 BF16 from 2 on. It depends on the machine and the dtype, so
+differently: measured with ``agreeing_counts`` (rows of ``x[:M] @ W.T`` against the same rows
+of a 96-row product), fp32 on an AMD EPYC with AVX2 only agrees for ``M`` in {4, 8} and from 12 on,
+bf16 on an AMD EPYC with AVX-512 BF16 from 2 on (with AVX2 only, from 1). It depends on the machine and the dtype, so
 a runner measures it once, on its own model's product shapes, and pads a step of ``T`` tokens
 (and the LM head's rows) up to the next count that agrees (``padded``).
 """
