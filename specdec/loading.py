@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from specdec.hardware import resolve_device, resolve_dtype
 from specdec.models.draft import load_draft
 from specdec.models.files import DRAFT_MARKER
+from specdec.models.packed import pack_linears
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -17,7 +18,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def load_model(name_or_path: str, dtype: str = "float32", device: str = "cpu", *, revision: str | None = None,
                trust_remote_code: bool = False) -> torch.nn.Module:
     """Load a causal LM from a local path or a hub id (at ``revision``), in eval mode, on ``device``,
-    in ``dtype`` (``auto``: the fastest there, ``specdec.hardware.resolve_dtype``)."""
+    in ``dtype`` (``auto``: the fastest there, ``specdec.hardware.resolve_dtype``), its linear
+    layers packed for the CPU's matrix-product library where it has one."""
     torch_dtype = DTYPES[resolve_dtype(dtype, device)]
     # A project-built draft (reduced output vocabulary) carries this marker and its own loader.
     if (Path(name_or_path) / DRAFT_MARKER).exists():
@@ -26,7 +28,9 @@ def load_model(name_or_path: str, dtype: str = "float32", device: str = "cpu", *
         model = AutoModelForCausalLM.from_pretrained(
             name_or_path, dtype=torch_dtype, revision=revision, trust_remote_code=trust_remote_code
         )
-    return model.to(resolve_device(device)).eval()
+    model = model.to(resolve_device(device)).eval()
+    pack_linears(model)  # on a CPU: products on prepacked weights (``specdec.models.packed``)
+    return model
 
 
 def model_max_length(config) -> int | None:

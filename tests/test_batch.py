@@ -213,14 +213,14 @@ def test_the_guard_vetoes_speculation_that_loses_under_load(llama_pair, monkeypa
     monkeypatch.setattr(SpeculationPolicy, "_k", lambda self, index, cfg: 3)
     monkeypatch.setattr(step_loop, "allocate", lambda cands, costs, other=0: [c.k_cap for c in cands])
     ids = [engine.encode(prompt=p) for p in PROMPTS[:4]]
-    plain = [_solo(engine, i, 48) for i in ids]
-    handles = [engine.loop.submit(engine.request(i, max_tokens=48, mode="draft", ignore_eos=True)) for i in ids]
+    plain = [_solo(engine, i, 64) for i in ids]
+    handles = [engine.loop.submit(engine.request(i, max_tokens=64, mode="draft", ignore_eos=True)) for i in ids]
     events = [list(h) for h in handles]
     assert [[t for e in ev for t in e.token_ids] for ev in events] == plain
     spec, plain_rate = engine.loop.guard.state()[GoodputGuard.bucket(4)]
     assert spec < plain_rate, (spec, plain_rate)
     informed = [allowed for knew, allowed in decisions if knew]
-    assert len(informed) >= 10, decisions
+    assert len(informed) >= 8, decisions
     # once it knows, every step is plain but the exploring one (every 32nd of the bucket)
     assert informed.count(False) >= len(informed) - len(informed) // guard.explore - 1, decisions
 

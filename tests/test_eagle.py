@@ -160,8 +160,9 @@ def test_save_load_and_refusals(trained, tmp_path):
     model, head = trained["model"], trained["head"]
     loaded = load_eagle_head(trained["head_dir"], model)
     f, ids, pos = torch.randn(1, 5, head.config.hidden_size), torch.tensor([[3, 4, 5, 6, 7]]), torch.arange(5)[None]
-    with torch.no_grad():
-        assert torch.equal(loaded(f, ids, pos), head(f, ids, pos))
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), head.state_dict().values()))
+    with torch.no_grad():  # the loaded head's layers are packed (another kernel): equal to rounding
+        torch.testing.assert_close(loaded(f, ids, pos), head(f, ids, pos), rtol=1e-5, atol=1e-5)
     other = type(model.config)(**{**model.config.to_dict(), "vocab_size": model.config.vocab_size + 64})
     bigger = type(model)(other)
     with pytest.raises(ValueError, match="vocabulary"):

@@ -18,17 +18,28 @@ from specdec.trees import path_to
 CAP = 128
 
 
-@pytest.fixture(scope="module", params=[torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.fixture(scope="module", params=[(torch.bfloat16, False), (torch.float32, False), (torch.bfloat16, True),
+                                        (torch.float32, True)], ids=["bf16", "fp32", "bf16-packed", "fp32-packed"])
 def target(request):
     """Two layers with the demo target's attention shape (9 heads of 64, 3 key heads), random
     weights, in bf16 (a CPU with AVX-512 BF16 serves it so) and fp32 (``dtype: auto`` on one
-    without): the shape at which kernels round other query counts differently."""
+    without): the shape at which kernels round other query counts differently. Packed: its
+    linear layers on prepacked weights, as ``load_model`` serves a model on a CPU (other kernels,
+    other rounding: ``specdec.models.packed``)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from specdec.models.packed import available, pack_linears
+
+    dtype, pack = request.param
+    if pack and not available(dtype):
+        pytest.skip(f"no packed {dtype} products on this machine")
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=9,
                       num_key_value_heads=3, vocab_size=512, max_position_embeddings=1024, initializer_range=0.1)
-    return LlamaForCausalLM(cfg).to(request.param).eval()
+    model = LlamaForCausalLM(cfg).to(dtype).eval()
+    if pack:
+        assert pack_linears(model) == 2 * 7 + 1  # q, k, v, o, gate, up, down a layer; the LM head
+    return model
 
 
 def _logits_of_one_token(model, invariant: bool) -> dict[str, torch.Tensor]:

@@ -5,7 +5,9 @@ benchmarks do with ``ignore_eos``): tokens per second then compare like with lik
 
 transformers' runs use the engine's own model objects: outside one of the engine's steps their
 attention is SDPA's, with SDPA's mask (``specdec.batch.attention``; without that mask the
-peer's multi-token verify passes over a cache were wrong, and its rows with them). transformers
+peer's multi-token verify passes over a cache were wrong, and its rows with them), and their
+linear layers run ``F.linear`` on the plain weights (``specdec.models.packed.stock``), as in
+transformers, not the engine's prepacked products. transformers
 does not report acceptance, so while
 one of its assisted or prompt-lookup runs is in flight the candidate generator it builds is
 caught (``record_hf_rounds``): its settings are recorded, and its ``update_candidate_strategy``,
@@ -25,8 +27,9 @@ import torch
 
 from specdec.bench.configs import BenchConfig
 from specdec.bench.workloads import Prompt
-from specdec.sampling import SamplingParams
 from specdec.drafters import DRAFTERS
+from specdec.models import packed
+from specdec.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -272,7 +275,8 @@ def run_hf(
         kwargs["prompt_lookup_num_tokens"] = cfg.k
     elif cfg.mode != "plain":
         raise ValueError(f"unknown transformers mode {cfg.mode!r}")
-    with torch.inference_mode(), record_hf_rounds(cfg.mode) as recording, _assistant_config(draft, settings):
+    with torch.inference_mode(), record_hf_rounds(cfg.mode) as recording, _assistant_config(draft, settings), \
+            packed.stock():  # transformers as a user runs it: F.linear, not our packed weights
         attention = model.config._attn_implementation
         t0 = time.perf_counter()
         out = model.generate(ids, **kwargs)
@@ -283,6 +287,7 @@ def run_hf(
         raise RuntimeError(f"{cfg.name}: expected one transformers candidate generator, saw {len(recording.settings)}")
     hf_settings = dict(recording.settings[0]) if recording.settings else {}
     hf_settings["attn_implementation"] = attention
+    hf_settings["linear"] = "F.linear"
     return RunResult(
         config=cfg.name, prompt=prompt.key, workload=prompt.workload, repeat=repeat,
         output_ids=tokens, output_tokens=len(tokens), seconds=seconds, ttft_s=ttft,

@@ -42,6 +42,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMS
 
 from specdec.loading import load_weights
 from specdec.models.files import EAGLE_FORMAT, EAGLE_MARKER, EAGLE_VERSION, EAGLE_WEIGHTS
+from specdec.models.packed import pack_linears
 
 
 def final_norm(model: nn.Module) -> nn.Module:
@@ -184,7 +185,9 @@ def load_eagle_head(path, target: nn.Module, dtype: torch.dtype = torch.float32)
         raise ValueError(f"the head was made for a vocabulary of {head.vocab_size}, the target has "
                          f"{target.config.vocab_size}")
     head = head.to(dtype=dtype, device=next(target.parameters()).device)
-    return head.bind_target(target).eval()
+    head = head.bind_target(target).eval()
+    pack_linears(head)
+    return head
 
 
 # EAGLE-1's released checkpoints (e.g. yuhuili/EAGLE-llama2-chat-7B): a LlamaConfig with one

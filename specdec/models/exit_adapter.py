@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.models.files import EXIT_FORMAT, EXIT_MARKER, EXIT_VERSION, EXIT_WEIGHTS
+from specdec.models.packed import pack_linears
 
 __all__ = ["ExitAdapter", "load_exit_adapter", "save_exit_adapter"]
 
@@ -105,4 +106,6 @@ def load_exit_adapter(path, dtype: torch.dtype = torch.float32, target_config=No
     adapter = ExitAdapter(meta["hidden_size"], meta["intermediate_size"], meta["vocab_size"], sd["token_ids"],
                           meta["exit_layer"], meta["norm"], meta["eps"])
     adapter.load_state_dict(sd)
-    return adapter.to(dtype).eval()
+    adapter = adapter.to(dtype).eval()
+    pack_linears(adapter)
+    return adapter

@@ -44,6 +44,7 @@ from torch import nn
 
 from specdec.loading import load_weights
 from specdec.models.files import MEDUSA_FORMAT, MEDUSA_MARKER, MEDUSA_VERSION, MEDUSA_WEIGHTS
+from specdec.models.packed import pack_linears
 
 
 class ResBlock(nn.Module):
@@ -183,7 +184,9 @@ def load_medusa_heads(path, target: nn.Module, dtype: torch.dtype = torch.float3
     if missing or unexpected:
         raise ValueError(f"Medusa weights mismatch: missing={missing} unexpected={unexpected}")
     heads = heads.to(dtype=dtype, device=next(target.parameters()).device)
-    return heads.bind_target(target).eval()
+    heads = heads.bind_target(target).eval()
+    pack_linears(heads)
+    return heads
 
 
 _RELEASED_WEIGHTS = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")

@@ -1,0 +1,75 @@
+"""Linear layers on prepacked weights (``specdec.models.packed``): the same products as
+``F.linear`` (to the dtype's rounding: another kernel), a weight written after packing is
+repacked, autograd and ``stock()`` take ``F.linear``, and ``load_model`` packs what it serves."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdec.models import packed
+
+
+def _layer(dtype, bias=True):
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(96, 40, bias=bias).to(dtype)
+    if not packed.available(dtype):
+        pytest.skip(f"no packed {dtype} products on this machine")
+    assert packed.pack_linears(layer) == 1 and isinstance(layer, packed.PackedLinear)
+    return layer
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("shape", [(1, 96), (7, 96), (1, 3, 96)])
+def test_packed_products_equal_f_linear(dtype, tol, shape):
+    layer = _layer(dtype)
+    x = torch.randn(*shape).to(dtype)
+    with torch.inference_mode():
+        got, want = layer(x), F.linear(x, layer.weight, layer.bias)
+    assert got.shape == want.shape and got.dtype == dtype
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_a_weight_written_after_packing_is_repacked():
+    layer = _layer(torch.float32)
+    x = torch.randn(4, 96)
+    with torch.no_grad():
+        before = layer(x)
+        layer.weight.mul_(2)
+        after = layer(x)
+    torch.testing.assert_close(after - layer.bias, 2 * (before - layer.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_autograd_and_stock_take_f_linear(monkeypatch):
+    layer = _layer(torch.float32, bias=False)
+    x = torch.randn(3, 96)
+    layer(x).sum().backward()  # a gradient reaches the weight: F.linear's path
+    assert layer.weight.grad is not None and layer.weight.grad.abs().sum() > 0
+    calls = []
+    monkeypatch.setattr(packed, "linear", lambda *a: calls.append(1) or F.linear(a[0], layer.weight))
+    with torch.no_grad():
+        layer(x)
+        assert len(calls) == 1
+        with packed.stock():
+            want = layer(x)
+        assert len(calls) == 1  # the stock block never called the packed product
+    assert torch.equal(want, F.linear(x, layer.weight))
+
+
+def test_load_model_serves_packed_layers(llama_pair):
+    from specdec.loading import load_model
+
+    model = load_model(str(llama_pair["target"]), "float32")
+    kinds = {type(m).__name__ for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    assert kinds == ({"PackedLinear"} if packed.available(torch.float32) else {"Linear"})
+
+
+def test_a_copy_repacks():
+    import copy
+    import pickle
+
+    layer = _layer(torch.float32)
+    x = torch.randn(2, 96)
+    with torch.no_grad():
+        want = layer(x)
+        for other in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
+            assert isinstance(other, packed.PackedLinear) and torch.equal(other(x), want)
