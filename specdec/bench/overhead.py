@@ -46,13 +46,18 @@ def tokenizer():
 
 
 def build_model(shape: dict = SHAPE, *, dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0):
-    """A random-weight Llama of ``shape`` (the near-zero-compute one by default)."""
+    """A random-weight Llama of ``shape`` (the near-zero-compute one by default), its linear
+    layers packed as ``load_model`` serves a model (the dense forward runs them too)."""
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specdec.models.packed import pack_linears
 
     torch.manual_seed(seed)
     with torch.device(device):
         model = LlamaForCausalLM(LlamaConfig(**shape, eos_token_id=0, bos_token_id=0)).to(dtype)
-    return model.eval()
+    model.eval()
+    pack_linears(model)
+    return model
 
 
 def engine_for(model, tok, *, max_num_seqs: int, kv_cache_tokens: int, step_tokens: int = 512,
