@@ -395,7 +395,7 @@ def test_hf_rounds_add_up_to_the_generated_ids(hf_engine):
             assert all(rd.drafted <= 4 for rd in r.rounds)
 
 
-def test_hf_schedules_are_the_ones_transformers_applied(hf_engine):
+def test_hf_schedules_are_the_ones_transformers_applied(hf_engine, monkeypatch):
     """Each configuration's recorded draft lengths follow its transformers schedule exactly,
     and the settings recorded from the candidate generator are transformers' names for them."""
     from transformers.generation.utils import GenerationMixin
@@ -444,8 +444,18 @@ def test_hf_schedules_are_the_ones_transformers_applied(hf_engine):
     assert lookup.hf_settings == {"candidate_generator": "PromptLookupCandidateGenerator",
                                   "prompt_lookup_num_tokens": 4, "max_matching_ngram_size": 2,
                                   "eos_token_id": None, "attn_implementation": "specdec_ragged"}
+    import torch
+
+    from specdec.models import packed
+
+    products = []  # transformers runs as a user runs it: F.linear, never the engine's packed weights
+    real = packed.linear
+    monkeypatch.setattr(packed, "linear", lambda *a: products.append(1) or real(*a))
     plain, _ = _hf(engine, HF_PLAIN, prompt)
     assert plain.hf_settings == {"attn_implementation": "specdec_ragged"}
+    assert not products
+    engine.generate(prompt.ids, max_tokens=2, mode="off")
+    assert products or not packed.available(torch.float32)  # the engine's pass: packed
 
     # Everything the runs changed is put back: the draft's settings, the engine's attention, the hook.
     assert {key: getattr(draft.generation_config, key) for key in before} == before

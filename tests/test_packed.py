@@ -44,6 +44,10 @@ def test_autograd_and_stock_take_f_linear(monkeypatch):
     x = torch.randn(3, 96)
     layer(x).sum().backward()  # a gradient reaches the weight: F.linear's path
     assert layer.weight.grad is not None and layer.weight.grad.abs().sum() > 0
+    layer.weight.requires_grad_(False)  # frozen, under a loss of what feeds it: the input's gradient
+    h = x.clone().requires_grad_(True)
+    layer(h).sum().backward()
+    torch.testing.assert_close(h.grad, layer.weight.sum(0).expand_as(h))
     calls = []
     monkeypatch.setattr(packed, "linear", lambda *a: calls.append(1) or F.linear(a[0], layer.weight))
     with torch.no_grad():

@@ -287,7 +287,6 @@ def run_hf(
         raise RuntimeError(f"{cfg.name}: expected one transformers candidate generator, saw {len(recording.settings)}")
     hf_settings = dict(recording.settings[0]) if recording.settings else {}
     hf_settings["attn_implementation"] = attention
-    hf_settings["linear"] = "F.linear"
     return RunResult(
         config=cfg.name, prompt=prompt.key, workload=prompt.workload, repeat=repeat,
         output_ids=tokens, output_tokens=len(tokens), seconds=seconds, ttft_s=ttft,

@@ -20,10 +20,10 @@ guard's replays) runs the same kernels. Their rounding across row counts is what
 ``specdec.batch.numerics`` measures, on the op the model runs (``product``).
 
 The original weight stays (tied embeddings read it, training updates it): a packed layer holds
-its weight twice. A packed layer computes with ``F.linear`` where autograd needs the weight's
-gradient, and repacks when the weight was written since it was packed. ``stock()`` runs a block
-with every packed layer on ``F.linear`` (the benchmark's transformers peer: transformers as a
-user runs it).
+its weight twice. A packed layer computes with ``F.linear`` where autograd is recording (the
+packed op has no derivative: a frozen target's LM head under a trained head's loss), and
+repacks when the weight was written since it was packed. ``stock()`` runs a block with every
+packed layer on ``F.linear`` (the benchmark's transformers peer: transformers as a user runs it).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class PackedLinear(torch.nn.Linear):
         return {**state, "_packed": None, "_packed_version": -1}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if getattr(_STOCK, "on", False) or (torch.is_grad_enabled() and self.weight.requires_grad) \
+        if getattr(_STOCK, "on", False) or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)) \
                 or x.device.type != "cpu" or x.dtype != self.weight.dtype:
             return F.linear(x, self.weight, self.bias)
         if self.weight._version != self._packed_version:
