@@ -77,3 +77,13 @@ def test_a_copy_repacks():
         want = layer(x)
         for other in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
             assert isinstance(other, packed.PackedLinear) and torch.equal(other(x), want)
+
+
+def test_a_layer_made_under_inference_mode_packs():
+    if not packed.available(torch.float32):
+        pytest.skip("no packed fp32 products on this machine")
+    with torch.inference_mode():
+        layer = torch.nn.Linear(96, 40)
+        assert packed.pack_linears(layer) == 1
+        x = torch.randn(3, 96)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)

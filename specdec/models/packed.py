@@ -58,12 +58,18 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> 
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def _version(weight: torch.Tensor) -> int:
+    """How often ``weight`` was written in place (an inference tensor, made under
+    ``torch.inference_mode``, cannot be written outside it and keeps no count: 0)."""
+    return 0 if weight.is_inference() else weight._version
+
+
 class PackedLinear(torch.nn.Linear):
     """An ``nn.Linear`` whose forward uses its weight packed (``pack_linears`` makes them)."""
 
     def _repack(self) -> None:
         self._packed = pack(self.weight)
-        self._packed_version = self.weight._version
+        self._packed_version = _version(self.weight)
 
     def __getstate__(self):
         """Copies and pickles leave the packed weight out (oneDNN's layout has no storage to
@@ -75,7 +81,7 @@ class PackedLinear(torch.nn.Linear):
         if getattr(_STOCK, "on", False) or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)) \
                 or x.device.type != "cpu" or x.dtype != self.weight.dtype:
             return F.linear(x, self.weight, self.bias)
-        if self.weight._version != self._packed_version:
+        if _version(self.weight) != self._packed_version:
             self._repack()
         return linear(x, self._packed, self.bias)
 
