@@ -208,3 +208,29 @@ def test_a_grouped_query_rounds_alike_at_any_position_and_batch(dtype):
     if rows > groups:
         alone = outputs(groups)
         assert not all(torch.equal(o, alone[0]) for o in alone)
+
+
+def _prompt_logits_fed_again(model) -> tuple[torch.Tensor, torch.Tensor]:
+    """A 45-token prompt's logits fed whole, and fed again as a new sequence on the same blocks
+    (the pool says its first two blocks hold that prefix, as after an identical earlier request)."""
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(1, model.config.vocab_size, (45,), generator=gen).tolist()
+    r = BatchRunner(model, capacity_tokens=4 * CAP, invariant=True)
+    first = r.forward([BatchRow("a", prompt, 1, run_of(1, CAP))])[0][0]
+    r.release("a")
+    return first, r.forward([BatchRow("b", prompt, 1, run_of(1, CAP))])[0][0]
+
+
+def test_a_prompt_fed_again_on_blocks_it_filled_gives_the_same_logits(target, monkeypatch):
+    """A runner trusts the blocks its pool says hold a prompt's prefix only in multiples of
+    ``INVARIANT_CHUNK``, where a prefill chunk would start: the rest is fed as the first request's
+    prefill fed it, and the logits are bitwise the same. Negative control, where this model's
+    kernels round so: trusting every full block (32 of the 45 tokens) gives other logits."""
+    from specdec.batch import numerics
+
+    first, again = _prompt_logits_fed_again(target)
+    assert torch.equal(first, again)
+    monkeypatch.setattr(numerics, "INVARIANT_CHUNK", 16)
+    first, again = _prompt_logits_fed_again(target)
+    if target.dtype == torch.bfloat16:
+        assert not torch.equal(first, again)

@@ -274,7 +274,8 @@ class BatchRunner:
 
     def _shared(self, row: BatchRow) -> _Seq:
         """A sequence new to this runner: it holds the first full blocks of ``row`` that its pool
-        says hold exactly that prefix (filled by another sequence with the same prompt)."""
+        says hold exactly that prefix (filled by another sequence with the same prompt); with
+        batch-invariant numerics, as many of them as make a multiple of ``INVARIANT_CHUNK``."""
         seq = _Seq(row.blocks)
         holds = self.cache.holds
         if not holds or not row.blocks:
@@ -285,6 +286,8 @@ class BatchRunner:
             if holds.get(row.blocks[j]) != name:
                 break
             seq.named.append(name)
+        if self.cache.invariant:  # what it feeds then starts where a prefill chunk would
+            del seq.named[len(seq.named) // (numerics.INVARIANT_CHUNK // BLOCK) * (numerics.INVARIANT_CHUNK // BLOCK):]
         seq.ids = list(row.ids[: len(seq.named) * BLOCK])
         return seq
 

@@ -41,6 +41,7 @@ import torch
 
 from specdec import compute, grammar
 from specdec.batch.blocks import BLOCK, BlockPool, blocks_for, prefix_hashes
+from specdec.batch.numerics import INVARIANT_CHUNK
 from specdec.drafters import DRAFTERS
 from specdec.drafters.base import EMPTY_PROPOSAL, BatchDrafter
 from specdec.engine.events import ErrorEvent, RoundEvent
@@ -58,13 +59,6 @@ from specdec.text import TextStream
 
 log = logging.getLogger(__name__)
 
-# Batch-invariant numerics: prompts are prefilled in chunks of this many tokens, at multiples of
-# it; a prefix is shared in multiples of it too. A bf16 prefill row's keys and values depend on
-# where its chunk begins and ends (attention rounds by the keys its call has, a matrix product by
-# its rows). The price of a finer grid, measured on a 2-core AMD EPYC (AVX-512 BF16) with the
-# demo target in bf16: a 2,048-token prefill took 2.78 s in chunks of 496, 3.15 s in chunks of
-# 256 and 3.94 s in chunks of 128 (each step has a fixed cost).
-INVARIANT_CHUNK = 128
 # A seeded sampled row whose draft side failed waits for it (a restarted draft worker answers in
 # seconds) rather than change its text; past this it runs plainly, as other rows do at once.
 HOLD_SEEDED_S = 30.0
@@ -198,13 +192,17 @@ class _Live:
 
 
 def invariant_chunk(room: int) -> int:
-    """The prompt chunk of batch-invariant numerics for ``room`` tokens a step: whole blocks, at
-    most ``INVARIANT_CHUNK``, at least one block.
+    """The prompt chunk of batch-invariant numerics for ``room`` tokens a step: ``INVARIANT_CHUNK``
+    or the largest power-of-two number of blocks under it that fits, at least one block (it
+    divides ``INVARIANT_CHUNK``, the grid prefixes are shared on).
 
     >>> invariant_chunk(496), invariant_chunk(100), invariant_chunk(0)
-    (128, 96, 16)
+    (128, 64, 16)
     """
-    return max(BLOCK, min(INVARIANT_CHUNK, room // BLOCK * BLOCK))
+    chunk = INVARIANT_CHUNK
+    while chunk > BLOCK and chunk > room:
+        chunk //= 2
+    return chunk
 
 
 class StepLoop:
@@ -447,7 +445,7 @@ class StepLoop:
         # The last token is always fed (its logits are the first output), so it is never a hit.
         live.named = prefix_hashes(ids[: len(ids) - 1], start=live.named[: (len(ids) - 1) // BLOCK])
         # Batch-invariant numerics: a hit ends where a chunk does.
-        hits = self.blocks.match(live.named, multiple=self.chunk // BLOCK if self.chunk else 1)
+        hits = self.blocks.match(live.named, multiple=INVARIANT_CHUNK // BLOCK if self.chunk else 1)
         if self._sharing_a_prefill(live, len(hits)):
             self.blocks.release(hits)
             return False
