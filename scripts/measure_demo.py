@@ -6,6 +6,7 @@
     python scripts/measure_demo.py load          # off / auto / auto without the guard under load,
                                                  # and where a step's time goes
     python scripts/measure_demo.py trees         # mean accepted length of chains and tree shapes
+    python scripts/measure_demo.py packed        # plain decoding with packed and stock linear layers
 """
 
 from __future__ import annotations
@@ -156,6 +157,50 @@ def load(levels=(4, 16), requests: int = 2, max_tokens: int = 64) -> None:
     print("guard (tokens/s speculating, plain) by bucket:", guard.state())
 
 
+def packed(max_tokens: int = 64, repeats: int = 2) -> None:
+    """Plain decoding of the demo target with its linear layers packed (as served) and on
+    ``F.linear`` (two engines in one process, alternating): one stream and 8 at once, greedy
+    (the tokens must be the same: bf16 packed products equal F.linear's here)."""
+    import threading
+    import time
+
+    import specdec.loading
+    from specdec.bench.sweep import WORKLOAD_PROMPTS
+
+    real = specdec.loading.pack_linears
+    engines = {}
+    for name in ("stock", "packed"):
+        specdec.loading.pack_linears = real if name == "packed" else (lambda model: 0)
+        try:
+            engines[name] = _demo_engine()
+        finally:
+            specdec.loading.pack_linears = real
+    questions = (WORKLOAD_PROMPTS["chat"] * 8)[:8]
+    prompts = [engines["packed"].encode(messages=[{"role": "user", "content": q}]) for q in questions]
+    rates: dict = {}
+    answers: dict = {}
+    for engine in engines.values():
+        engine.generate(prompts[0], max_tokens=8, mode="off")  # warm-up
+    for _ in range(repeats):
+        for name, engine in engines.items():
+            for streams in (1, 8):
+                outs = [None] * streams
+
+                def run(j, engine=engine, outs=outs):
+                    outs[j] = engine.generate(prompts[j], max_tokens=max_tokens, mode="off", ignore_eos=True)
+
+                threads = [threading.Thread(target=run, args=(j,)) for j in range(streams)]
+                t0 = time.perf_counter()
+                [t.start() for t in threads]
+                [t.join() for t in threads]
+                rates.setdefault((name, streams), []).append(streams * max_tokens / (time.perf_counter() - t0))
+                answers.setdefault(name, [o.token_ids for o in outs])
+    print(f"dtype {engines['packed'].target_model.dtype}, {max_tokens} tokens, plain decoding, tok/s per repeat")
+    for (name, streams), values in rates.items():
+        print(f"{name:<7} {streams} stream(s): " + " ".join(f"{v:6.1f}" for v in values))
+    print("same tokens packed and stock:", answers["packed"] == answers["stock"])
+
+
 def trees(max_tokens: int = 64, per_workload: int = 4) -> None:
     """Mean accepted length (bonus token included) of the chains and of tree shapes, greedy."""
     from specdec.bench.workloads import build_prompts
@@ -202,4 +247,4 @@ def bad_draft(out: str = "/tmp/bad_draft") -> None:
 
 if __name__ == "__main__":
     {"generate": generate_table, "bad-draft": bad_draft, "confidence": confidence, "load": load,
-     "trees": trees}[sys.argv[1]]()
+     "trees": trees, "packed": packed}[sys.argv[1]]()
