@@ -287,7 +287,8 @@ class BatchRunner:
                 break
             seq.named.append(name)
         if self.cache.invariant:  # what it feeds then starts where a prefill chunk would
-            del seq.named[len(seq.named) // (numerics.INVARIANT_CHUNK // BLOCK) * (numerics.INVARIANT_CHUNK // BLOCK):]
+            grid = numerics.INVARIANT_CHUNK // BLOCK
+            del seq.named[len(seq.named) // grid * grid:]
         seq.ids = list(row.ids[: len(seq.named) * BLOCK])
         return seq
 
