@@ -161,12 +161,8 @@ def test_one_padded_call_and_rows_alone_give_the_logits_of_a_dense_forward(model
             BatchRow("4", ids[4], 1, at(4)),  # a whole prompt: 40 queries
             BatchRow("5", ids[5], 1, at(5))]  # 90 keys: over twice the median
     out = runner.forward(rows)
-    if invariant:  # no packing; the 12 queries of rows 0-3 and 5 (and any padding), grouped by key count
-        from specdec.batch import numerics
-
-        fed = 1 + 1 + 4 + 5 + 40 + 1
-        pad = numerics.padded(fed, runner._agreeing) - fed
-        assert not packs and sum(g.tokens.numel() for g in groups[-1]) == 1 + 1 + 4 + 5 + 1 + pad
+    if invariant:  # no packing; the 12 queries of rows 0-3 and 5 grouped by key count (padding: none)
+        assert not packs and sum(g.tokens.numel() for g in groups[-1]) == 1 + 1 + 4 + 5 + 1
     else:
         expected_packed = [0, 1, 2, 3] if max_queries else None
         assert (packs[-1].rows if packs[-1] else None) == expected_packed
@@ -177,3 +173,36 @@ def test_one_padded_call_and_rows_alone_give_the_logits_of_a_dense_forward(model
     for n in range(len(tree_tokens)):
         path = [tree_tokens[j] for j in path_to(parents, n)]
         assert torch.allclose(out[3][1 + n], full_logits(model, ids[3] + path)[-1], atol=1e-5), n
+
+
+def test_products_run_at_row_counts_on_the_grid_and_padding_changes_no_logits(model):
+    """Steps of every size from 1 to 140 tokens: each product ran at a count of
+    ``numerics.on_grid`` (a bounded set of compiled kernels), and each row's logits equal a dense
+    forward's though the step was padded."""
+    from specdec.batch import numerics
+
+    seen, recording = set(), [False]
+
+    def record(_module, args):
+        if recording[0]:
+            seen.add(args[0].shape[-2])
+
+    hooks = [m.register_forward_pre_hook(record)
+             for m in model.modules() if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"]
+    try:
+        runner = BatchRunner(model, capacity_tokens=8 * CAP)
+        gen = torch.Generator().manual_seed(1)
+        for n in range(1, 141, 3):  # two rows: n - 1 prompt tokens and one of 1 token
+            a = torch.randint(1, 300, (max(1, n - 1),), generator=gen).tolist()
+            recording[0] = True
+            out = runner.forward([BatchRow("a", a, 1, run_of(1, 160)), BatchRow("b", [7], 1, run_of(1 + blocks_for(160), 16))])
+            recording[0] = False
+            assert torch.allclose(out[0][0], full_logits(model, a)[-1], atol=1e-5), n
+            runner.release("a"), runner.release("b")
+    finally:
+        for h in hooks:
+            h.remove()
+    grid = set(range(1, 17)) | set(range(20, 65, 4)) | set(range(80, 257, 16))
+    assert seen and seen <= grid, sorted(seen - grid)
+    assert all(numerics.on_grid(m) == m for m in seen)
+    assert {n + 1 for n in range(1, 141, 3)} - grid  # steps off the grid were run: the test did pad

@@ -188,10 +188,13 @@ class _Step:
     packed: Packed | None
     groups: list[_Group]  # invariant: every query of the rows of at most PACK_MAX_QUERIES tokens
     alone: list[int]  # the rows neither packed nor grouped
+    pad: int = 0  # padding tokens after the rows: no queries of any row, outputs zeros
 
 
-def bind(rows: list[RaggedRow], device: torch.device | str = "cpu", *, invariant: bool = False) -> None:
-    """Bind a step's rows (their masks on the host) to this thread's next forward on ``device``.
+def bind(rows: list[RaggedRow], device: torch.device | str = "cpu", *, invariant: bool = False, pad: int = 0) -> None:
+    """Bind a step's rows (their masks on the host) to this thread's next forward on ``device``;
+    ``pad`` tokens after them (a step padded to a row count, ``specdec.batch.numerics``) belong
+    to no row and attend to nothing: their outputs are zeros.
 
     ``invariant``: batch-invariant numerics. Every query of a row of at most
     ``PACK_MAX_QUERIES`` tokens (a decode row's pending token, drafts, tree nodes) attends alone
@@ -207,7 +210,7 @@ def bind(rows: list[RaggedRow], device: torch.device | str = "cpu", *, invariant
     taken = set(packed.rows if packed is not None else ()) | set(small)
     alone = [i for i in range(len(rows)) if i not in taken]
     rows = [_on(r, device) if i not in taken else r for i, r in enumerate(rows)]
-    _BOUND.step = _Step(rows, packed, groups, alone)
+    _BOUND.step = _Step(rows, packed, groups, alone, pad)
 
 
 def _on(r: RaggedRow, device) -> RaggedRow:
@@ -333,13 +336,21 @@ def ragged_attention(module, query, key, value, attention_mask, dropout: float =
     if step is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
+    if step.pad:  # [1, T, H, D]: the rows' outputs, then zeros for the padding
+        out = _step_attention(step, query[:, :, : query.shape[2] - step.pad], key, value, scaling)
+        return F.pad(out, (0, 0, 0, 0, 0, step.pad)), None
+    return _step_attention(step, query, key, value, scaling), None
+
+
+def _step_attention(step: _Step, query, key, value, scaling) -> torch.Tensor:
+    """[1, T, H, D]: every query of the step's rows (query [1, H, T, D])."""
     p = step.packed
     if p is not None and p.everything:
-        return _packed_attention(p, query, key, value, scaling).transpose(0, 1)[None], None
+        return _packed_attention(p, query, key, value, scaling).transpose(0, 1)[None]
     if p is None and not step.groups:
         outs = [_row_attention(r, query, key, value, scaling) for r in step.rows]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-        return out.transpose(1, 2).contiguous(), None
+        return out.transpose(1, 2).contiguous()
     out = query.new_empty(query.shape[1], query.shape[2], query.shape[3])  # [H, T, D]
     if p is not None:
         out[:, p.tokens] = _packed_attention(p, query, key, value, scaling)
@@ -348,7 +359,7 @@ def ragged_attention(module, query, key, value, attention_mask, dropout: float =
     for i in step.alone:
         r = step.rows[i]
         out[:, r.t0: r.t0 + r.q] = _row_attention(r, query, key, value, scaling)[0]
-    return out.transpose(0, 1)[None], None
+    return out.transpose(0, 1)[None]
 
 
 AttentionInterface.register(NAME, ragged_attention)

@@ -131,7 +131,7 @@ class FlatBatchCache(Cache):
         """Bind the next forward to ``rows``; returns (position_ids [1, T], a placeholder 4D
         mask: attention is ``specdec.batch.attention``'s, per row, so transformers must not
         build a mask of its own). ``pad``: that many padding tokens after the rows, written to
-        the scratch block and attending only to it."""
+        the scratch block; their attention outputs are zeros (no call)."""
         dev = self.device
         q_pos, write, ragged, t0 = [], [], [], 0
         for row in rows:
@@ -152,14 +152,13 @@ class FlatBatchCache(Cache):
             q_pos.append(q)
             ragged.append(attention.RaggedRow(t0, row.feed, keys, n, mask))
             t0 += row.feed
-        for i in range(pad):
-            q_pos.append(torch.zeros(1, dtype=torch.long))
-            write.append(torch.zeros(1, dtype=torch.long))
-            ragged.append(attention.RaggedRow(t0 + i, 1, slice(0, 1), 1, None))
+        if pad:
+            q_pos.append(torch.zeros(pad, dtype=torch.long))
+            write.append(torch.zeros(pad, dtype=torch.long))
         written = torch.cat(write)
         self.forget(written)
         self._write = written.to(dev)
-        attention.bind(ragged, dev, invariant=self.invariant)
+        attention.bind(ragged, dev, invariant=self.invariant, pad=pad)
         return torch.cat(q_pos)[None].to(dev), self._placeholder_mask
 
     def unbind(self) -> None:

@@ -323,12 +323,13 @@ class BatchRunner:
             tokens.extend(row.ids[plan.keep:])
             offset += plan.feed
             keep_idx.extend(range(offset - row.num_logits, offset))
-        pad = 0
-        if self.cache.invariant:  # every product rounds as a large batch's (``specdec.batch.numerics``)
-            pad = numerics.padded(len(tokens), self._agreeing) - len(tokens)
-            tokens = tokens + [tokens[-1]] * pad
-            if keep_idx:  # the LM head too: repeated rows, their logits dropped
-                keep_idx = keep_idx + [keep_idx[-1]] * (numerics.padded(len(keep_idx), self._agreeing) - len(keep_idx))
+        # Padded to a row count on the grid (a bounded set of compiled kernels) that, under
+        # batch-invariant numerics, rounds as a large batch does (``specdec.batch.numerics``).
+        agreeing = self._agreeing if self.cache.invariant else None
+        pad = numerics.padded(len(tokens), agreeing) - len(tokens)
+        tokens = tokens + [tokens[-1]] * pad
+        if keep_idx:  # the LM head too: repeated rows, their logits dropped
+            keep_idx = keep_idx + [keep_idx[-1]] * (numerics.padded(len(keep_idx), agreeing) - len(keep_idx))
         input_ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         # Only the positions whose logits are asked for go through the LM head.
         keep = torch.tensor(keep_idx or [len(tokens) - 1], dtype=torch.long, device=self.device)
