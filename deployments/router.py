@@ -329,10 +329,12 @@ class SpecRouter:
             attrs["specdec.choice"] = index
         with telemetry.request_span(carrier=req.trace_context, attributes=attrs,
                                     trust_incoming=self.args.trace_trust_incoming) as trace:
+            # The fingerprint the answer carries and the flags it runs under, read together.
+            fingerprint, flags = self.fingerprint, self.engine.policy_config
             if index == 0:
-                yield Start(prompt_tokens, greq.mode, telemetry.inject(trace.span).get("traceparent"), self.fingerprint)
+                yield Start(prompt_tokens, greq.mode, telemetry.inject(trace.span).get("traceparent"), fingerprint)
             trace_id = trace.span.get_span_context().trace_id.to_bytes(16, "big").hex()
-            greq = dataclasses.replace(greq, tag=f"trace {trace_id} (x-request-id {req.request_id})")
+            greq = dataclasses.replace(greq, tag=f"trace {trace_id} (x-request-id {req.request_id})", flags=flags)
             produced, finish, controller, cached = 0, None, {}, None
             start, ttft = time.perf_counter(), 0.0
             self.metrics.set_active(greq.mode, +1)

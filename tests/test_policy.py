@@ -198,3 +198,25 @@ def test_seeded_sampling_is_reproducible_under_the_adaptive_policy(engines):
     again = engine.generate(ids, max_tokens=40, mode="auto", params=params)
     assert again.token_ids == first.token_ids
     assert [r.k for r in again.rounds] == [r.k for r in first.rounds]
+
+
+def test_a_seeded_request_keeps_the_flags_it_was_admitted_under(engines):
+    """k_max changed (live, ``user_config``) while a seeded sampled request runs: its rounds are
+    cut, and its text drawn, as under the flags it started with (those its fingerprint names);
+    a request started after the change runs under the new ones."""
+    engine = engines["good"]
+    ids = engine.encode(prompt="The robot finds the old house. The robot")
+    params = SamplingParams(temperature=1.0, seed=11)
+    before = engine.generate(ids, max_tokens=40, mode="draft", params=params)
+    assert max(r.k for r in before.rounds) > 1
+    try:
+        events = engine.stream(ids, max_tokens=40, mode="draft", params=params)
+        spanned = [next(events)]
+        engine.policy_config = PolicyConfig(k_max=1)  # a flag change while it runs
+        spanned += list(events)
+        assert [t for e in spanned for t in e.token_ids] == before.token_ids
+        assert [e.stats.k for e in spanned] == [r.k for r in before.rounds]
+        after = engine.generate(ids, max_tokens=40, mode="draft", params=params)
+        assert max(r.k for r in after.rounds) == 1 and after.token_ids != before.token_ids
+    finally:
+        engine.policy_config = PolicyConfig()

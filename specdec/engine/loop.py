@@ -82,6 +82,9 @@ class GenerationRequest:
     logprobs: int | None = None  # report each token's log-probability and this many most likely ones (0-20)
     grammar: GrammarSpec | None = None  # structured output: what the output must match (``specdec.grammar``)
     tag: str | None = None  # what logs name the request by (its trace id), e.g. when its replay differs
+    # The operator flags a seeded sampled request runs under (read with the system_fingerprint
+    # its answer carries); None: the unit's flags when it is admitted (``StepLoop._new_policy``).
+    flags: PolicyConfig | None = None
 
 
 class Handle:
@@ -346,13 +349,16 @@ class StepLoop:
         if req.mode == "off":
             return None
         seeded = req.params.seed is not None and not req.params.greedy
+        # A seeded sampling request decides on priors alone (a cost model nothing observes) and
+        # under the flags it was admitted with: which tokens rejection sampling draws depends on
+        # how its rounds are cut, so its cuts must not depend on timings, on what it is batched
+        # with, or on a flag changed while it runs (its answer is the one the configuration its
+        # system_fingerprint names gives). The kill switch still stops its drafting at once.
+        admitted = req.flags or self.policy_config()
         return SpeculationPolicy(
             modes=self.modes if req.mode == "auto" else [req.mode],
-            # A seeded sampling request decides on priors alone (a cost model nothing observes):
-            # which tokens rejection sampling draws depends on how its rounds are cut, so its cuts
-            # must not depend on timings or on what it is batched with.
             costs=StepCosts() if seeded else self.costs,
-            config=self.policy_config,
+            config=(lambda: admitted) if seeded else self.policy_config,
             k_request=req.k or self.default_k,
             adaptive=self.policy_config().adaptive and (req.k is None or req.mode == "auto"),
             tree_modes={m: DRAFTERS[m].tree_of for m in self.modes if DRAFTERS[m].trees},
@@ -566,7 +572,7 @@ class StepLoop:
         context = context if context is not None else live.ids
         nodes = 0
         if k and DRAFTERS[mode].trees:  # the tree's budget; the range holds max(k_max, tree_nodes) + 1 more
-            nodes = max(0, min(self.policy_config().tree_nodes, live.capacity - len(context) - 1))
+            nodes = max(0, min(live.policy.config().tree_nodes, live.capacity - len(context) - 1))
         return Row(live.key, context, tuple(live.blocks), emits, mode=mode, k=k, stop_below=stop_below,
                    nodes=nodes, params=live.req.params, target_seed=round_seed(live.seed, index, TARGET),
                    draft_seed=round_seed(live.seed, index, DRAFT), prompt_len=len(live.req.prompt_ids),
@@ -577,7 +583,8 @@ class StepLoop:
         policy = live.policy
         if policy is None:
             return Candidate(0.0, 0, "off", fixed=True)
-        if cfg.kill_switch or len(live.rounds) < live.draft_retry_at:
+        kill_switch, cfg = cfg.kill_switch, policy.config()  # the request's flags (``_new_policy``)
+        if kill_switch or len(live.rounds) < live.draft_retry_at:
             policy.observe(live.rounds)  # keep its estimates current
             return Candidate(0.0, 0, "off", fixed=True)
         mode, k = policy.decide(live.rounds)
