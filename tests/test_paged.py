@@ -339,3 +339,48 @@ def test_a_prompt_continues_its_cached_prefix_in_the_blocks_after_it():
     again = pool.match(names[:4])
     other = pool.allocate(1, after=again[-1], evict_next=True)
     assert other[0] != rest[0]  # in use by the first continuation: elsewhere
+
+
+def _logprobs(engine, ids, n):
+    """Greedy tokens and each one's log-probability (the logits' bits, where tokens hide them)."""
+    out = engine.generate(ids, max_tokens=n, mode="off", ignore_eos=True, logprobs=0)
+    return out.token_ids, [entry[0] for entry in out.logprobs], out
+
+
+def test_invariant_numerics_a_preempted_request_resumes_bit_for_bit(llama_pair):
+    """Batch-invariant numerics, a pool too small for four answers: the preempted requests
+    prefill their prompts in chunks again but the tokens they had generated in pieces whose
+    queries attend alone, as the decode steps that made them did; every token's
+    log-probability equals, bitwise, the one the request got alone in a large pool (fed as a
+    chunk, 7 and 18 of 60 of them differed on the tiny Llama)."""
+    invariant = {"numerics": "batch_invariant"}
+    ref = _engine(llama_pair, kv_cache_tokens=4096, models=invariant)
+    engine = _engine(llama_pair, kv_cache_tokens=10 * BLOCK, max_num_seqs=4, models=invariant)
+    ids = [engine.encode(prompt=p) for p in PROMPTS[8:12]]
+    want = [_logprobs(ref, i, 60)[:2] for i in ids]
+    results = {}
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, _logprobs(engine, ids[i], 60)[:2]))
+               for i in range(4)]
+    [t.start() for t in threads]
+    [t.join(timeout=180) for t in threads]
+    assert engine.loop.usage()["preempted"] > 0
+    for i in range(4):
+        assert results[i] == want[i], i
+
+
+def test_invariant_numerics_share_prompts_only_a_next_turn_is_bit_for_bit_a_fresh_prefill(llama_pair):
+    """Batch-invariant numerics: a conversation's next turn (the first prompt, its answer, more)
+    takes from the prefix cache the first turn's prompt chunks, not the blocks its answer
+    filled (decode steps computed those; the next turn's own prefill computes them as a
+    chunk, which rounds otherwise): its log-probabilities equal, bitwise, those of a unit
+    without a prefix cache."""
+    invariant = {"numerics": "batch_invariant"}
+    engine = _engine(llama_pair, kv_cache_tokens=4096, models=invariant)
+    fresh = _engine(llama_pair, kv_cache_tokens=4096, prefix_caching=False, models=invariant)
+    first = engine.encode(prompt=SYSTEM + " " + PROMPTS[0])
+    assert 128 < len(first) < 256
+    answer = _logprobs(engine, first, 140)[0]
+    nxt = first + answer + engine.encode(prompt=PROMPTS[1])
+    got = _logprobs(engine, nxt, 24)
+    assert got[2].rounds and engine.loop.usage()["prefix_hit_tokens"] == 128  # the first prompt's whole chunk
+    assert got[:2] == _logprobs(fresh, nxt, 24)[:2]

@@ -57,6 +57,10 @@ class BatchRow:
     num_logits: int = 1
     blocks: tuple[int, ...] = ()
     parents: tuple[int, ...] | None = None
+    # Batch-invariant numerics: how many leading ids other sequences may take from its blocks
+    # (its prompt: computed as any prefill of them is; what it generated was computed by decode
+    # steps, which round otherwise than a prompt chunk over the same tokens). None: all.
+    shared_upto: int | None = None
 
     @property
     def capacity(self) -> int:
@@ -292,9 +296,10 @@ class BatchRunner:
         seq.ids = list(row.ids[: len(seq.named) * BLOCK])
         return seq
 
-    def _name_blocks(self, seq: _Seq) -> None:
-        """After a forward: the sequence's full blocks hold their prefixes (for other sequences)."""
-        full, known = min(len(seq.ids) // BLOCK, len(seq.blocks)), len(seq.named)
+    def _name_blocks(self, seq: _Seq, upto: int | None = None) -> None:
+        """After a forward: the sequence's full blocks (within its first ``upto`` ids) hold their
+        prefixes (for other sequences)."""
+        full, known = min(len(seq.ids) if upto is None else min(upto, len(seq.ids)), len(seq.blocks) * BLOCK) // BLOCK, len(seq.named)
         if full <= known:
             return
         seq.named = prefix_hashes(seq.ids[: full * BLOCK], start=seq.named)
@@ -348,7 +353,7 @@ class BatchRunner:
         for i, seq, plan in planned:
             row = rows[i]
             seq.ids = list(row.ids[: row.tree_at])
-            self._name_blocks(seq)
+            self._name_blocks(seq, row.shared_upto if self.cache.invariant else None)
             if row.parents is not None:
                 seq.tree = _Tree(row.tree_at, list(row.ids[row.tree_at:]), tuple(row.parents))
             out[i] = logits[at: at + row.num_logits]

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec import compute, grammar
+from specdec.batch.attention import PACK_MAX_QUERIES
 from specdec.batch.blocks import BLOCK, BlockPool, blocks_for, prefix_hashes
 from specdec.batch.numerics import INVARIANT_CHUNK
 from specdec.drafters import DRAFTERS
@@ -522,8 +523,10 @@ class StepLoop:
         (self._replays if live.expected is not None else self._waiting).appendleft(live)
 
     def _name_blocks(self, live: _Live, context: list[int]) -> None:
-        """The target holds ``context``: its full blocks may be shared from now on."""
-        full = min(len(context) // BLOCK, len(live.blocks))
+        """The target holds ``context``: its full blocks may be shared from now on (under
+        batch-invariant numerics, those of its prompt only: ``BatchRow.shared_upto``)."""
+        upto = min(len(context), len(live.req.prompt_ids)) if self.chunk else len(context)
+        full = min(upto // BLOCK, len(live.blocks))
         if full <= live.registered:
             return
         live.named = prefix_hashes(context[: full * BLOCK], start=live.named[:full])
@@ -541,7 +544,7 @@ class StepLoop:
         for live in (lv for lv in lives if not lv.decoding):
             rest = len(live.prefill) - live.prefilled
             if self.chunk is not None:  # fixed chunks: the next whole one, or wait for a step with room
-                take = min(rest, self.chunk)
+                take = self._chunk_end(live) - live.prefilled
                 if take > budget:
                     continue
                 if take < rest:
@@ -565,6 +568,17 @@ class StepLoop:
             stop = live.policy.stop_below(c.mode) if k and live.policy is not None and not c.nodes else 0.0
             rows.append(self._row(live, mode=c.mode if k else "off", k=k, stop_below=stop))
         return StepPlan(rows)
+
+    def _chunk_end(self, live: _Live) -> int:
+        """Batch-invariant numerics: where the next piece of ``live``'s prefill ends. Its prompt
+        in chunks at multiples of ``self.chunk`` (the last ends with the prompt); after a
+        preemption, the tokens it had generated in pieces of at most ``PACK_MAX_QUERIES``, whose
+        every query attends alone as a decode step's did: their keys and values come out as
+        they were (a chunk over them rounds otherwise: the answer could change)."""
+        at, prompt = live.prefilled, len(live.req.prompt_ids)
+        if at < prompt:
+            return min(prompt, (at // self.chunk + 1) * self.chunk)
+        return min(len(live.prefill), at + PACK_MAX_QUERIES)
 
     def _row(self, live: _Live, *, emits: bool = True, context: list[int] | None = None, mode: str = "off",
              k: int = 0, stop_below: float = 0.0) -> Row:

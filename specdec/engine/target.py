@@ -113,8 +113,8 @@ class TargetStep:
         emitting = [r for r in plan.rows if r.emits]
         # 2. one pass: every row's missing tokens, and each emitting row's pending token + drafts
         batch = [BatchRow(r.key, r.context + proposals[r.key].tokens, len(proposals[r.key]) + 1, r.blocks,
-                          proposals[r.key].parents)
-                 if r.emits else BatchRow(r.key, r.context, 0, r.blocks) for r in plan.rows]
+                          proposals[r.key].parents, shared_upto=r.prompt_len)
+                 if r.emits else BatchRow(r.key, r.context, 0, r.blocks, shared_upto=r.prompt_len) for r in plan.rows]
         t0 = time.perf_counter()
         logits = self.runner.forward(batch, on_device=True)  # verified where they are: tokens come back
         result.verify_s = time.perf_counter() - t0
