@@ -178,7 +178,7 @@ def test_a_grouped_query_rounds_alike_at_any_position_and_batch(dtype):
     """The invariant attention's premise (``attention._Group``): with the probed query rows, a
     query's output over its keys is bitwise the same at every position of groups of 2 to 12
     entries whose other queries see other keys. Negative control, where the probe had to add
-    rows: with the query heads alone, some position rounds differently."""
+    rows past the even count: with the query heads alone, some position rounds differently."""
     from specdec.batch import attention
 
     kv_heads, groups, dim = 3, 3, 64
@@ -205,9 +205,47 @@ def test_a_grouped_query_rounds_alike_at_any_position_and_batch(dtype):
 
     got = outputs(rows)
     assert all(torch.equal(o, got[0]) for o in got)
-    if rows > groups:
+    if rows > groups + groups % 2:  # the probe had to add rows past the even count
         alone = outputs(groups)
         assert not all(torch.equal(o, alone[0]) for o in alone)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_grouped_query_rounds_alike_on_either_thread(dtype):
+    """The same entry four times in one group call (CPU SDPA gives each thread a share of the
+    entries): every copy's output is bitwise the same, over 60 random masked cases, with the
+    probed query rows (an even count). Negative control, where this CPU shows it: with 3 rows
+    (odd) an entry rounds differently on the second thread (fp32: 55 of 60 cases on a 2-core AMD
+    EPYC with AVX-512 BF16; a batched greedy answer of the demo target changed with it)."""
+    from specdec.batch import attention
+
+    kv_heads, groups, dim = 3, 3, 64
+    rows = attention.group_query_rows(kv_heads, groups, dim, dtype, "cpu")
+    assert rows >= groups and rows % 2 == 0
+
+    def differing(rows: int) -> int:
+        gen, bad = torch.Generator().manual_seed(4), 0
+        for case in range(60):
+            length = (64, 128, 320)[case % 3]
+            q = torch.randn(1, kv_heads, groups, dim, generator=gen).to(dtype)
+            k, v = (torch.randn(1, kv_heads, length, dim, generator=gen).to(dtype) for _ in range(2))
+            mask = torch.zeros(1, 1, 1, length, dtype=torch.bool)
+            mask[..., : 1 + (37 * case) % length] = True
+            four = [t.expand(4, *t.shape[1:]).contiguous() for t in (q, k, v, mask)]
+            out = attention._entries(*four[:3], four[3], 0.125, rows)
+            bad += not all(torch.equal(out[0], out[i]) for i in range(1, 4))
+        return bad
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # the suite runs on one (``conftest.py``); a server on every core
+    try:
+        assert differing(rows) == 0
+        control = differing(3)
+    finally:
+        torch.set_num_threads(before)
+    if dtype == torch.float32 and control == 0:
+        pytest.skip("odd query rows round alike on every thread of this CPU: no negative control here")
+    assert dtype == torch.bfloat16 or control > 0
 
 
 def _prompt_logits_fed_again(model) -> tuple[torch.Tensor, torch.Tensor]:
