@@ -299,7 +299,8 @@ class BatchRunner:
     def _name_blocks(self, seq: _Seq, upto: int | None = None) -> None:
         """After a forward: the sequence's full blocks (within its first ``upto`` ids) hold their
         prefixes (for other sequences)."""
-        full, known = min(len(seq.ids) if upto is None else min(upto, len(seq.ids)), len(seq.blocks) * BLOCK) // BLOCK, len(seq.named)
+        held = len(seq.ids) if upto is None else min(upto, len(seq.ids))
+        full, known = min(held // BLOCK, len(seq.blocks)), len(seq.named)
         if full <= known:
             return
         seq.named = prefix_hashes(seq.ids[: full * BLOCK], start=seq.named)

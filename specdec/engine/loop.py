@@ -361,7 +361,7 @@ class StepLoop:
             costs=StepCosts() if seeded else self.costs,
             config=(lambda: admitted) if seeded else self.policy_config,
             k_request=req.k or self.default_k,
-            adaptive=self.policy_config().adaptive and (req.k is None or req.mode == "auto"),
+            adaptive=admitted.adaptive and (req.k is None or req.mode == "auto"),
             tree_modes={m: DRAFTERS[m].tree_of for m in self.modes if DRAFTERS[m].trees},
             tree_width=self.tree_width,
         )
