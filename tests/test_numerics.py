@@ -240,12 +240,11 @@ def test_a_grouped_query_rounds_alike_on_either_thread(dtype):
     torch.set_num_threads(2)  # the suite runs on one (``conftest.py``); a server on every core
     try:
         assert differing(rows) == 0
-        control = differing(3)
+        control = differing(3) if dtype == torch.float32 else None  # bf16 showed it on real data only
     finally:
         torch.set_num_threads(before)
-    if dtype == torch.float32 and control == 0:
+    if control == 0:
         pytest.skip("odd query rows round alike on every thread of this CPU: no negative control here")
-    assert dtype == torch.bfloat16 or control > 0
 
 
 def _prompt_logits_fed_again(model) -> tuple[torch.Tensor, torch.Tensor]:
