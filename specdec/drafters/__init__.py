@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
+
 from specdec.batch.runner import BatchRunner
 from specdec.config import ModelConfig, SpeculationConfig
 from specdec.drafters.base import BatchDrafter
@@ -63,13 +65,19 @@ def _early_exit(models: ModelConfig, spec: SpeculationConfig, target: BatchRunne
     return EarlyExitDrafter(target, stack, head, spec.early_exit_threshold)
 
 
+def _head_dtype(dtype: str, target: BatchRunner) -> torch.dtype:
+    """A head on the target's features: ``auto`` runs it in the target's dtype."""
+    return next(target.model.parameters()).dtype if dtype == "auto" else DTYPES[dtype]
+
+
 def _eagle(models: ModelConfig, spec: SpeculationConfig, target: BatchRunner, capacity: int) -> EagleDrafter:
-    return EagleDrafter(target, load_eagle_head(models.eagle_head, target.model, DTYPES[models.eagle_dtype]),
+    return EagleDrafter(target, load_eagle_head(models.eagle_head, target.model, _head_dtype(models.eagle_dtype, target)),
                         spec.tree_width)
 
 
 def _medusa(models: ModelConfig, spec: SpeculationConfig, target: BatchRunner, capacity: int) -> MedusaDrafter:
-    return MedusaDrafter(target, load_medusa_heads(models.medusa_heads, target.model, DTYPES[models.medusa_dtype]),
+    return MedusaDrafter(target, load_medusa_heads(models.medusa_heads, target.model,
+                                                     _head_dtype(models.medusa_dtype, target)),
                          spec.tree_width)
 
 
