@@ -72,7 +72,9 @@ class PolicyConfig(BaseModel):
     )
     margin_on: float = Field(0.15, ge=0, description="Resume when S >= 1 + this (> margin_off).")
     probe_interval: int = Field(16, ge=1, description="Plain tokens between probe rounds.")
-    ewma: float = Field(0.3, gt=0, le=1, description="Weight of the newest round in estimates.")
+    ewma: float = Field(
+        0.1, gt=0, le=1, description="Weight of the newest round in a request's estimates (~1/ewma rounds of "
+        "memory; a new request starts from the unit's estimates over every request's rounds).")
     prior_acceptance: float = Field(0.6, ge=0, le=1, description="a before any round is seen.")
     tree_nodes: int = Field(
         16, ge=1, le=64, description="A tree mode's (draft_tree, eagle_tree) nodes per round, its depth k: "
@@ -106,12 +108,57 @@ class Costs(Protocol):
 
 
 @dataclass
+class DrafterRecord:
+    """What rounds taught about each drafter mode, as EWMAs over rounds (weight ``ewma``):
+    ``trials`` (accepted drafts, rejections) whose ratio is the per-token acceptance (a round
+    with many trials weighs more than one that failed at once); ``calibration`` (accepted,
+    predicted by the drafter's confidences) of chain modes; ``sizes``, the nodes a tree mode's
+    rounds proposed. A request's policy keeps one; the unit keeps one over every request's
+    rounds (``StepLoop.record``), which a new request starts from instead of bare priors, so a
+    drafter that does not pay here is not tried afresh by every request (nor one that does
+    given up on a few unlucky rounds)."""
+
+    trials: dict[str, tuple[float, float]] = field(default_factory=dict)
+    calibration: dict[str, tuple[float, float]] = field(default_factory=dict)
+    sizes: dict[str, float] = field(default_factory=dict)
+
+    def observe(self, r: RoundStats, w: float, prior: float, tree: bool) -> None:
+        """One round that drafted; ``tree``: its mode grows trees (``prior``: a before any round)."""
+        acc, rej = self.trials.get(r.mode, (prior, 1 - prior))
+        # A tree's a is per level: did the target take one of the candidates at each depth
+        # (a path that ends at a leaf had nothing left to try: no rejection).
+        full = r.full if r.full is not None else (r.accepted >= r.k if tree else r.accepted == r.drafted)
+        self.trials[r.mode] = ((1 - w) * acc + w * r.accepted, (1 - w) * rej + w * (0 if full else 1))
+        if tree:
+            size = self.sizes.get(r.mode)
+            self.sizes[r.mode] = r.drafted if size is None else (1 - w) * size + w * r.drafted
+        elif r.confidence:
+            # How far the drafter's confidences over- or under-state acceptance: the drafts a
+            # round was predicted to keep (the sum over j of the product of the first j
+            # confidences) against those it kept.
+            predicted, reach = 0.0, 1.0
+            for c in r.confidence:
+                reach *= c
+                predicted += reach
+            acc, pred = self.calibration.get(r.mode, (1.0, 1.0))
+            self.calibration[r.mode] = ((1 - w) * acc + w * r.accepted, (1 - w) * pred + w * predicted)
+
+    def acceptance(self, mode: str) -> float | None:
+        acc, rej = self.trials.get(mode, (0.0, 0.0))
+        return acc / (acc + rej) if acc + rej > 0 else None
+
+    def copy(self) -> "DrafterRecord":
+        return DrafterRecord(dict(self.trials), dict(self.calibration), dict(self.sizes))
+
+
+@dataclass
 class SpeculationPolicy:
     """Per-request controller: ``decide(rounds)`` before each round returns ``(mode, k)``.
 
     It reads the rounds it has not seen, updates the acceptance estimate of each round's mode,
     then picks the drafter and k with the best expected speedup (k = 0: plain decoding).
     ``observe(rounds)`` only keeps the estimates current (a round the loop decided itself).
+    ``record``: where its estimates start (the unit's ``DrafterRecord``; empty: priors).
     """
 
     modes: list[str]  # the drafters it may choose among
@@ -122,70 +169,64 @@ class SpeculationPolicy:
     tree_modes: dict[str, str] = field(default_factory=dict)  # tree mode -> the chain mode it grows trees of
     tree_width: int = 4  # candidates per expanded node (``SpeculationConfig.tree_width``)
     active: str = ""  # the drafter chosen last
-    acceptance: dict[str, float] = field(default_factory=dict)
     plain: bool = False  # in fallback
     plain_tokens: int = 0
     probing: bool = False
     events: list[tuple[int, str]] = field(default_factory=list)  # (round index, what)
     k_used: Counter = field(default_factory=Counter)
+    record: DrafterRecord = field(default_factory=DrafterRecord)
     _seen: int = 0
-    _trials: dict[str, tuple[float, float]] = field(default_factory=dict)
-    _calibration: dict[str, tuple[float, float]] = field(default_factory=dict)  # mode -> (accepted, predicted) EWMAs
     _speedup: float = 1.0  # the expected speedup of the last decision
 
     def __post_init__(self) -> None:
         self.active = self.active or self.modes[0]
+        self._start = self.record.copy()  # what it knew when admitted (the unit's record)
+
+    @property
+    def acceptance(self) -> dict[str, float]:
+        """Each mode's per-token (a tree's: per-level) acceptance estimate so far."""
+        return {m: a for m in self.record.trials if (a := self.record.acceptance(m)) is not None}
 
     def observe(self, rounds: list[RoundStats]) -> None:
         cfg = self.config()
         for r in rounds[self._seen :]:
             if r.drafted:
-                # Per-token acceptance a = accepted / (accepted + rejections), each an EWMA over
-                # rounds: a round with many trials weighs more than one that failed at once.
-                acc, rej = self._trials.get(r.mode, (cfg.prior_acceptance, 1 - cfg.prior_acceptance))
-                # A tree's a is per level: did the target take one of the candidates at each depth.
-                full = r.accepted >= r.k if r.mode in self.tree_modes else r.accepted == r.drafted
-                rejected = 0 if full else 1
-                acc = (1 - cfg.ewma) * acc + cfg.ewma * r.accepted
-                rej = (1 - cfg.ewma) * rej + cfg.ewma * rejected
-                self._trials[r.mode] = (acc, rej)
-                self.acceptance[r.mode] = acc / (acc + rej) if acc + rej > 0 else cfg.prior_acceptance
-                if r.confidence and r.mode not in self.tree_modes:
-                    self._calibrate(r, cfg.ewma)
+                self.record.observe(r, cfg.ewma, cfg.prior_acceptance, r.mode in self.tree_modes)
             if r.k == 0 and r.mode != "prefill":
                 self.plain_tokens += r.emitted
         self._seen = len(rounds)
 
-    def _calibrate(self, r: RoundStats, w: float) -> None:
-        """How far the drafter's confidences over- or under-state acceptance: the drafts a round
-        was predicted to keep (the sum over j of the product of the first j confidences) against
-        those it kept, each an EWMA over rounds."""
-        predicted, reach = 0.0, 1.0
-        for c in r.confidence:
-            reach *= c
-            predicted += reach
-        acc, pred = self._calibration.get(r.mode, (1.0, 1.0))
-        self._calibration[r.mode] = ((1 - w) * acc + w * r.accepted, (1 - w) * pred + w * predicted)
-
     def stop_below(self, mode: str) -> float:
-        """The confidence stop for this request's next chain (``specdec.drafters.base.Chains``).
+        """The confidence stop for this request's next chain (``specdec.drafters.base.Chains``)
+        or tree (``specdec.drafters.base.Trees``, ``medusa_tree``).
 
         After draft j the chain is kept with probability ``kappa * R_j`` (``R_j``: the product of
         the drafter's confidences so far, ``kappa``: their calibration); one more draft costs a
         draft step and a verify position, ``c + (v(2) - v(1))`` plain steps, which at the
         expected speedup ``S`` would buy ``S (c + dv)`` tokens. The chain stops once
-        ``kappa * R_j`` falls below that. 0 (draft all k) for a request with an explicit k, or
-        when the operator turned it off.
+        ``kappa * R_j`` falls below that. A tree's node is worth its path probability and costs
+        a verify position (its level's draft pass is shared by the whole frontier), so a tree
+        keeps the nodes whose ``kappa * R`` is at least ``S dv`` (its drafter's chain
+        calibration). 0 (draft all k, fill the node budget) for a request with an explicit k,
+        or when the operator turned it off.
 
-            c = 0.15, dv = 0.03, S = 1.2, kappa = 1  ->  stop once R_j < 0.216
+            c = 0.15, dv = 0.03, S = 1.2, kappa = 1  ->  a chain stops once R_j < 0.216,
+                                                         a tree keeps nodes with R >= 0.036
         """
         cfg = self.config()
         if not (self.adaptive and cfg.confidence_stop):
             return 0.0
-        acc, pred = self._calibration.get(mode, (1.0, 1.0))
+        tree = mode in self.tree_modes
+        acc, pred = self.record.calibration.get(self.tree_modes[mode] if tree else mode, (1.0, 1.0))
         kappa = min(4.0, max(0.25, acc / pred)) if pred > 0 else 1.0
-        cost = self.costs.c(mode) + max(0.0, self.costs.v(2) - self.costs.v(1))
+        cost = (0.0 if tree else self.costs.c(mode)) + max(0.0, self.costs.v(2) - self.costs.v(1))
         return min(0.95, max(1.0, self._speedup) * cost / kappa)
+
+    def tree_size(self, mode: str, cfg: PolicyConfig | None = None) -> int:
+        """The nodes a round of tree ``mode`` is expected to verify: what its rounds proposed
+        (an EWMA: ``stop_below`` sizes trees below the budget), else the budget ``tree_nodes``."""
+        cfg = cfg or self.config()
+        return max(1, min(cfg.tree_nodes, round(self.record.sizes.get(mode, cfg.tree_nodes))))
 
     def _best(self, cfg: PolicyConfig) -> tuple[str, int, float]:
         """The best (mode, k, expected speedup) over the available drafters."""
@@ -196,7 +237,7 @@ class SpeculationPolicy:
             c = self.costs.c(mode)
             v = self.costs.v
             if mode in self.tree_modes:  # depth k, the same nodes whatever k: one verify of them all
-                v = lambda k, nodes=cfg.tree_nodes: self.costs.v(nodes)  # noqa: E731
+                v = lambda k, nodes=self.tree_size(mode, cfg): self.costs.v(nodes)  # noqa: E731
             if self.adaptive:
                 k, s = best_k(a, c, v, k_max)
             else:
@@ -208,7 +249,7 @@ class SpeculationPolicy:
     def estimate(self, mode: str, cfg: PolicyConfig | None = None) -> float:
         """The per-token (a tree's: per-level) acceptance of ``mode``: measured, else its prior."""
         cfg = cfg or self.config()
-        a = self.acceptance.get(mode)
+        a = self.record.acceptance(mode)
         if a is None:
             a = self._tree_prior(mode, cfg) if mode in self.tree_modes else cfg.prior_acceptance
         return a
@@ -219,7 +260,8 @@ class SpeculationPolicy:
         top ``width``, and the first matters most): ``1 - (1 - a_chain)^(width / 2)``. Its own
         rounds replace it at once; without it, ``auto`` would price a tree at a chain's
         acceptance and never try one."""
-        chain = self.acceptance.get(self.tree_modes[mode], cfg.prior_acceptance)
+        chain = self.record.acceptance(self.tree_modes[mode])
+        chain = cfg.prior_acceptance if chain is None else chain
         return 1.0 - (1.0 - chain) ** max(1.0, self.tree_width / 2)
 
     def decide(self, rounds: list[RoundStats]) -> tuple[str, int]:
@@ -251,6 +293,10 @@ class SpeculationPolicy:
                 return 0
             self.probing = True
             self._note(index, f"probe:{mode}")
+            # The stretch that made it fall back is old news now: the probe is judged from what
+            # the unit knew at admission (if anything), not from this request's last bad rounds.
+            if mode in self._start.trials:
+                self.record.trials[mode] = self._start.trials[mode]
             k = min(k, 2)  # a cheap probe
         if mode != self.active:
             self._note(index, f"switch:{mode}")

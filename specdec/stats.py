@@ -33,6 +33,7 @@ class RoundStats:
     draft_error: str | None = None  # the drafter failed this round; it ran as a plain step
     events: tuple[str, ...] = ()  # the policy's decisions taken before this round ("probe:draft", ...)
     confidence: tuple[float, ...] = ()  # the drafter's probability of each draft token (none: prompt lookup)
+    full: bool | None = None  # its drafts ran out unrejected (a tree: the path reached a leaf); None: unknown
 
     @property
     def bonus(self) -> bool:

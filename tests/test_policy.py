@@ -94,13 +94,22 @@ def test_a_tree_mode_is_priced_by_its_nodes_and_tried_when_its_drafter_is_good()
     assert cheap.acceptance["draft_tree"] > cheap.estimate("draft")
 
 
-def test_bad_draft_falls_back_within_a_few_rounds_and_probes_rarely():
+def test_bad_draft_falls_back_and_probes_rarely_and_the_next_request_starts_plain():
+    """From the prior (0.6) a request learns a useless drafter within ~1 / ewma rounds; a
+    request admitted after it starts from what the unit learned (``DrafterRecord``) and does
+    not try it again beyond its probes."""
     policy = make_policy()
     ks = drive(policy, accept=0.0, n_rounds=200)
-    assert all(k == 0 for k in ks[3:6]), ks[:10]  # plain within 3 rounds
+    first_plain = ks.index(0)
+    assert first_plain <= 16 and all(k == 0 for k in ks[first_plain: first_plain + 8]), ks[:24]
     speculative = sum(1 for k in ks if k)
-    assert speculative <= 3 + 200 // PolicyConfig().probe_interval  # only the probes
+    assert speculative <= first_plain + 200 // PolicyConfig().probe_interval  # then only the probes
     assert policy.summary()["fallbacks"] >= 1 and policy.summary()["probes"] >= 5
+    later = make_policy(record=policy.record.copy())
+    ks = drive(later, accept=0.0, n_rounds=100)
+    assert ks.index(0) <= 1 and sum(1 for k in ks if k) <= 1 + 100 // PolicyConfig().probe_interval, ks[:20]
+    fresh = drive(make_policy(), accept=0.0, n_rounds=100)  # the control: without the record it tries again
+    assert fresh.index(0) > 1
 
 
 def test_good_draft_rises_to_k_max():

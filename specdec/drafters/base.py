@@ -228,7 +228,10 @@ class Trees:
 
     A frontier node that cannot enter the final tree (its value is below the ``nodes``-th best
     so far, and its descendants' values are lower still) is not expanded, so a confident
-    drafter's tree stops early. Candidates are the drafter's top tokens, never samples: the
+    drafter's tree stops early. The row's ``stop_below`` sizes the tree by what it pays: a node
+    whose path probability ``exp(value)`` is below it is neither expanded nor proposed (the best
+    child of the pending token always is). The loop sets it where one more verify token would
+    buy more than the node is expected to add (``SpeculationPolicy.stop_below``). Candidates are the drafter's top tokens, never samples: the
     proposal is a set of point masses, which exact verification of trees needs
     (``specdec.batch.verify``). Sampled rows rank by their processed distribution ``q``.
     """
@@ -292,7 +295,8 @@ class Trees:
                     g.value.append(base + v)
                     g.confidence.append(math.exp(v))
             g.depth += 1
-            best = sorted(new, key=lambda j: -g.value[j])[: self.width]
+            floor = math.log(row.stop_below) if row.stop_below > 0 else -math.inf
+            best = [j for j in sorted(new, key=lambda j: -g.value[j])[: self.width] if g.value[j] >= floor]
             if len(g.value) >= row.nodes:  # what the final tree would keep as things stand
                 cut = sorted(g.value, reverse=True)[row.nodes - 1]
                 best = [j for j in best if g.value[j] > cut]
@@ -325,9 +329,10 @@ class Trees:
                 out.append(None)
                 continue
             order = sorted(range(len(g.tokens)), key=lambda j: (-g.value[j], j))
+            floor = math.log(row.stop_below) if row.stop_below > 0 else -math.inf
             chosen: set[int] = set()
             for j in order:
-                if len(chosen) >= row.nodes:
+                if len(chosen) >= row.nodes or (chosen and g.value[j] < floor):
                     break
                 if g.parents[j] == trees.ROOT or g.parents[j] in chosen:
                     chosen.add(j)

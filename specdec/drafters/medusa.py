@@ -37,7 +37,7 @@ from specdec.models.medusa import MedusaHeads
 
 
 def medusa_tree(top_ids: Sequence[Sequence[int]], top_logp: Sequence[Sequence[float]], nodes: int,
-                width: int | None = None) -> tuple[list[int], tuple[int, ...], tuple[float, ...]]:
+                width: int | None = None, stop_below: float = 0.0) -> tuple[list[int], tuple[int, ...], tuple[float, ...]]:
     """The best token tree of at most ``nodes`` nodes from per-depth candidates (EAGLE-2 style).
 
     ``top_ids[d]`` / ``top_logp[d]`` [w]: head ``d``'s best tokens (distinct) and their
@@ -49,7 +49,9 @@ def medusa_tree(top_ids: Sequence[Sequence[int]], top_logp: Sequence[Sequence[fl
     the shallower, then the earlier node), so the kept set is ancestor-closed. Returns
     ``(tokens, parents, confidence)`` in topological order (by depth, then value), ``parents``
     as in ``specdec.trees`` (-1: a child of the pending token) and ``confidence`` each node's
-    head probability ``exp(logp)``.
+    head probability ``exp(logp)``. ``stop_below``: a node whose path probability ``exp(value)``
+    is below it is left out, as are its descendants (the best child of the root always stays),
+    so the tree is as large as it pays (``specdec.drafters.base.Trees``).
 
     Worked example (two heads, two candidates each, four nodes)::
 
@@ -79,6 +81,8 @@ def medusa_tree(top_ids: Sequence[Sequence[int]], top_logp: Sequence[Sequence[fl
                 level.append(node)
         frontier = [(n[0], n[2]) for n in heapq.nsmallest(width, level, key=lambda n: (-n[0], n[2]))]
     kept = heapq.nsmallest(nodes, made, key=lambda n: (-n[0], n[1], n[2]))
+    floor = math.log(stop_below) if stop_below > 0 else -math.inf
+    kept = kept[:1] + [n for n in kept[1:] if n[0] >= floor]  # the first is the root's best child
     kept.sort(key=lambda n: (n[1], -n[0], n[2]))  # by depth: every parent before its children
     index = {n[2]: i for i, n in enumerate(kept)}
     parents = tuple(-1 if n[3] == -1 else index[n[3]] for n in kept)
@@ -140,7 +144,8 @@ class MedusaDrafter:
             else:
                 w = min(width, r.nodes)
                 tokens, parents, confidence = medusa_tree([t[:w] for t in top_ids[j][:k]],
-                                                          [v[:w] for v in top_logp[j][:k]], r.nodes)
+                                                          [v[:w] for v in top_logp[j][:k]], r.nodes,
+                                                          stop_below=r.stop_below)
                 proposals[i] = Proposal(tokens, None, confidence, parents)
         return Drafted(proposals, time.perf_counter() - began, 1)
 

@@ -53,7 +53,7 @@ from specdec.engine.plan import (
 from specdec.grammar import GrammarSpec
 from specdec.engine.schedule import Candidate, GoodputGuard, StepCosts, allocate
 from specdec.engine.target import Drafting, StepResult, draft_all, draft_rows
-from specdec.policy import PolicyConfig, SpeculationPolicy
+from specdec.policy import DrafterRecord, PolicyConfig, SpeculationPolicy
 from specdec.sampling import SamplingParams, logits_to_probs, make_generator, penalize
 from specdec.stats import RoundStats
 from specdec.text import TextStream
@@ -65,6 +65,7 @@ log = logging.getLogger(__name__)
 HOLD_SEEDED_S = 30.0
 HOLD_POLL_S = 0.05  # a step in which every row waits: how long before the next try
 REPLAY_BACKLOG = 256  # quality replays (and sampled answers to score) that may wait for spare capacity
+UNIT_EWMA = 0.05  # weight of one round in the unit's drafter record (``StepLoop.record``): ~20 rounds' memory
 
 
 @dataclass(frozen=True)
@@ -239,6 +240,8 @@ class StepLoop:
         self.preempted = 0  # requests preempted (blocks ran out), since the start
         self.hit_tokens = 0  # prompt tokens admitted requests found in the prefix cache, since the start
         self.costs = StepCosts()
+        # Every drafter's acceptance over all requests' rounds: where a new request's policy starts.
+        self.record, self._record_lock = DrafterRecord(), threading.Lock()
         self.guard = GoodputGuard()
         self.timings: deque[StepTiming] = deque(maxlen=4096)  # the last steps, for measurements
         self.quality = QualityGuard()  # replays of finished requests (``specdec.engine.replay``)
@@ -356,6 +359,8 @@ class StepLoop:
         # with, or on a flag changed while it runs (its answer is the one the configuration its
         # system_fingerprint names gives). The kill switch still stops its drafting at once.
         admitted = req.flags or self.policy_config()
+        with self._record_lock:
+            record = DrafterRecord() if seeded else self.record.copy()
         return SpeculationPolicy(
             modes=self.modes if req.mode == "auto" else [req.mode],
             costs=StepCosts() if seeded else self.costs,
@@ -364,6 +369,7 @@ class StepLoop:
             adaptive=admitted.adaptive and (req.k is None or req.mode == "auto"),
             tree_modes={m: DRAFTERS[m].tree_of for m in self.modes if DRAFTERS[m].trees},
             tree_width=self.tree_width,
+            record=record,
         )
 
     # --- one step ---------------------------------------------------------------------------
@@ -408,10 +414,11 @@ class StepLoop:
             self._name_blocks(by_key[row.key], row.context)
         emitting = [r for r in plan.rows if r.emits]
         emitted = 0
-        for row, verdict, confidence in zip(emitting, result.verdicts, result.confidence):
+        full = result.full or [None] * len(emitting)
+        for row, verdict, confidence, leaf in zip(emitting, result.verdicts, result.confidence, full):
             draft_s = costs.get(row.mode, (0.0, 0))[0] if verdict.num_drafted else 0.0
             emitted += self._commit(by_key[row.key], row, verdict, confidence, draft_s, result.verify_s, started_at,
-                                    errors.get(row.key))
+                                    errors.get(row.key), leaf)
         done = time.perf_counter()
         speculated = any(r.k for r in plan.rows)
         if decoding:
@@ -565,7 +572,7 @@ class StepLoop:
         if len(cands) > 1 and any(k and not c.fixed for c, k in zip(cands, ks)) and not self.guard.allow(len(cands)):
             ks = [c.k_cap if c.fixed else 0 for c in cands]  # speculating measurably loses at this load
         for live, c, k in zip(decode, cands, ks):
-            stop = live.policy.stop_below(c.mode) if k and live.policy is not None and not c.nodes else 0.0
+            stop = live.policy.stop_below(c.mode) if k and live.policy is not None else 0.0
             rows.append(self._row(live, mode=c.mode if k else "off", k=k, stop_below=stop))
         return StepPlan(rows)
 
@@ -610,7 +617,7 @@ class StepLoop:
             # says, and joins the goodput rule like any row, so it rides along when its drafter
             # runs anyway and waits when it would add a draft pass to a full batch.
             a = cfg.prior_acceptance
-        nodes = cfg.tree_nodes if DRAFTERS[mode].trees else 0
+        nodes = policy.tree_size(mode, cfg) if DRAFTERS[mode].trees else 0
         return Candidate(a, k, mode, fixed=seeded or not policy.adaptive, nodes=nodes)
 
     def _stop_ids(self, req: GenerationRequest) -> frozenset[int]:
@@ -686,7 +693,7 @@ class StepLoop:
     # --- commit -------------------------------------------------------------------------------
 
     def _commit(self, live: _Live, row: Row, verdict, confidence: tuple[float, ...], draft_s: float,
-                verify_s: float, started_at: float, draft_error: str | None) -> int:
+                verify_s: float, started_at: float, draft_error: str | None, full: bool | None = None) -> int:
         tokens, finish = cut_round(verdict.tokens, live.req.max_tokens - len(live.out), self._stop_ids(live.req))
         live.out.extend(tokens)
         index = len(live.rounds)
@@ -697,9 +704,12 @@ class StepLoop:
         stats = RoundStats(
             index=index, mode="prefill" if index == 0 else row.mode, k=row.k, drafted=verdict.num_drafted,
             accepted=verdict.num_accepted, emitted=len(tokens), draft_s=draft_s, verify_s=verify_s,
-            started_at=started_at, draft_error=draft_error, events=events, confidence=confidence,
+            started_at=started_at, draft_error=draft_error, events=events, confidence=confidence, full=full,
         )
         live.rounds.append(stats)
+        if stats.drafted:
+            with self._record_lock:
+                self.record.observe(stats, UNIT_EWMA, self.policy_config().prior_acceptance, DRAFTERS[row.mode].trees)
         live.prefilled = len(live.prefill)  # an emitting row has its whole prefill behind it
         delta, kept = live.text.add(tokens)
         if live.text.stopped:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec import grammar
+from specdec import grammar, trees
 from specdec.batch.runner import BatchRow, BatchRunner
 from specdec.batch.verify import VerifyRow, verify_batch
 from specdec.drafters import DRAFTERS, drafter_of
@@ -42,6 +42,17 @@ class StepResult:
     draft_costs: dict[str, tuple[float, int]] = field(default_factory=dict)
     draft_errors: dict[str, str] = field(default_factory=dict)  # key -> why its drafter failed (it ran plainly)
     tokens: int = 0  # tokens in the target pass (its cost driver)
+    full: list[bool] = field(default_factory=list)  # per emitting row: its drafts ran out unrejected (``leaf``)
+
+
+def leaf(proposal: Proposal, verdict: Verdict) -> bool:
+    """Whether verification ran out of drafts rather than rejecting one: a chain's were all
+    accepted; a tree's accepted path ends at a node without children (nothing was left to try
+    at the next level). What a policy counts as a round without a rejection."""
+    if proposal.parents is None or verdict.path is None:
+        return verdict.num_accepted == verdict.num_drafted
+    last = verdict.path[-1] if verdict.path else trees.ROOT
+    return not trees.children(proposal.parents, last)
 
 
 def allowed(row: Row, proposal: Proposal, width: int) -> torch.Tensor | None:
@@ -134,6 +145,7 @@ class TargetStep:
         for r, v in zip(emitting, verdicts):
             self.runner.truncate(r.key, len(r.context) + v.num_accepted)
         result.verdicts, result.confidence = verdicts, [proposals[r.key].confidence for r in emitting]
+        result.full = [leaf(proposals[r.key], v) for r, v in zip(emitting, verdicts)]
         return result
 
     def score(self, ids: list[int], n: int) -> torch.Tensor:

@@ -1,0 +1,154 @@
+"""Trees sized by what they pay, a tree round's acceptance counted per level, the unit's record
+of every drafter that a new request starts from, and heads that run in the target's dtype."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from specdec.config import ModelConfig, SpeculationConfig
+from specdec.drafters import _head_dtype
+from specdec.drafters.base import DraftRow, Proposal, Trees
+from specdec.drafters.medusa import medusa_tree
+from specdec.engine import Engine
+from specdec.engine.schedule import StepCosts
+from specdec.engine.target import leaf
+from specdec.policy import DrafterRecord, PolicyConfig, SpeculationPolicy
+from specdec.sampling import SamplingParams
+from specdec.stats import RoundStats
+from specdec.verify import Verdict
+
+
+def _logits(*rows: list[float], vocab: int = 8) -> torch.Tensor:
+    """Logits whose softmax puts the given probabilities on tokens 0, 1, ... (the rest spread evenly)."""
+    out = []
+    for probs in rows:
+        rest = (1 - sum(probs)) / (vocab - len(probs))
+        out.append(torch.log(torch.tensor(list(probs) + [rest] * (vocab - len(probs)))))
+    return torch.stack(out)
+
+
+def _grow(stop_below: float) -> tuple[Proposal, int]:
+    """A width-2 tree of depth <= 3: the root's children 0.6 / 0.3, each node's 0.5 / 0.2."""
+    trees = Trees([DraftRow("a", [1, 2], 3, SamplingParams(), 0, nodes=8, stop_below=stop_below)], width=2)
+    trees.extend(_logits([0.6, 0.3]), [0])
+    while trees.live():
+        trees.extend(_logits(*[[0.5, 0.2]] * len(trees.grown[0].frontier)), [0])
+    (tree,) = trees.drafted()
+    return tree, trees.steps
+
+
+def test_a_tree_keeps_the_nodes_whose_path_probability_pays_and_stops_expanding_below_it():
+    full, full_steps = _grow(0.0)
+    sized, sized_steps = _grow(0.1)
+    assert len(full) == 8 and full_steps == 3
+    # path probabilities: level 1: 0.6, 0.3; level 2: 0.3, 0.12 (under 0.6), 0.15, 0.06 (under 0.3);
+    # level 3, from the frontier 0.3 and 0.15: 0.15, 0.06, 0.075, 0.03. Six are >= 0.1.
+    reach = [math.prod(sized.confidence[n] for n in _path(sized.parents, i)) for i in range(len(sized))]
+    assert len(sized) == 6 and min(reach) >= 0.1 - 1e-6, reach
+    assert sorted(reach, reverse=True) == pytest.approx([0.6, 0.3, 0.3, 0.15, 0.15, 0.12], abs=1e-6)
+    assert sized_steps == 3
+    one, _ = _grow(0.9)  # nothing pays: the root's best child is still proposed (as a chain's first draft)
+    assert one.tokens == [0] and one.parents == (-1,)
+
+
+def _path(parents, node):
+    out = []
+    while node != -1:
+        out.append(node)
+        node = parents[node]
+    return out
+
+
+def test_a_medusa_tree_is_cut_where_its_path_probability_falls_below_the_stop():
+    ids, logp = [[5, 7], [9, 4]], [[math.log(0.6), math.log(0.3)], [math.log(0.5), math.log(0.2)]]
+    assert len(medusa_tree(ids, logp, 6)[0]) == 6
+    tokens, parents, _ = medusa_tree(ids, logp, 6, stop_below=0.1)
+    assert (tokens, parents) == ([5, 7, 9, 9, 4], (-1, -1, 0, 1, 0))  # 0.6, 0.3 | 0.3, 0.15, 0.12 (7>4: 0.06)
+    assert medusa_tree(ids, logp, 6, stop_below=0.99)[0] == [5]
+
+
+def test_a_round_is_full_when_its_path_reaches_a_leaf():
+    chain = Proposal([3, 4, 5])
+    assert leaf(chain, Verdict([3, 4, 5, 6], 3, 3)) and not leaf(chain, Verdict([3, 9], 1, 3))
+    #   0 -> 2 -> 3, and 1 (a leaf at depth 1)
+    tree = Proposal([3, 4, 5, 6], parents=(-1, -1, 0, 2))
+    assert leaf(tree, Verdict([4, 8], 1, 4, path=(1,)))  # the shallow leaf: nothing to try below it
+    assert not leaf(tree, Verdict([3, 8], 1, 4, path=(0,)))  # node 0 had a child: a rejection
+    assert leaf(tree, Verdict([3, 5, 6, 1], 3, 4, path=(0, 2, 3)))
+    assert not leaf(tree, Verdict([9], 0, 4, path=()))
+
+
+def _costs(slope: float) -> StepCosts:
+    costs = StepCosts()
+    for tokens in (1, 5, 17):
+        costs.observe_verify(tokens, 0.01 * (1 + slope * (tokens - 1)))
+    return costs
+
+
+def test_a_tree_node_is_priced_by_its_verify_token_and_a_tree_by_the_nodes_it_proposes():
+    policy = SpeculationPolicy(modes=["draft", "draft_tree"], costs=_costs(0.03), config=lambda: PolicyConfig(tree_nodes=16),
+                               tree_modes={"draft_tree": "draft"})
+    dv = policy.costs.v(2) - policy.costs.v(1)
+    assert policy.stop_below("draft_tree") == pytest.approx(dv)  # S = 1 before a decision, kappa = 1
+    assert policy.stop_below("draft") == pytest.approx(policy.costs.c("draft") + dv)
+    assert policy.tree_size("draft_tree") == 16
+    rounds = [RoundStats(0, "prefill", 0, 0, 0, 1, 0.0, 0.05)]
+    rounds += [RoundStats(i, "draft_tree", 3, 5, 1, 2, 0.001, 0.01, full=False) for i in range(1, 40)]
+    policy.observe(rounds)
+    assert policy.tree_size("draft_tree") == 5
+    # a leaf reached at depth 1 of a depth-3 round is no rejection
+    a = policy.acceptance["draft_tree"]
+    policy.observe(rounds + [RoundStats(40, "draft_tree", 3, 5, 1, 2, 0.001, 0.01, full=True)])
+    assert policy.acceptance["draft_tree"] > a
+
+
+@pytest.fixture(scope="module")
+def engine(llama_pair):
+    return Engine.load(ModelConfig(target=str(llama_pair["target"]), draft=str(llama_pair["draft"]), dtype="float32"),
+                       SpeculationConfig(tree_width=3), kv_cache_tokens=8192, max_num_seqs=8)
+
+
+PROMPTS = ["def add(a, b):\n    return", "The quick brown fox", "import os\nimport sys\n", "class Stack:\n    def"]
+
+
+def test_sized_trees_keep_greedy_output_and_the_unit_record_starts_the_next_request(engine):
+    """Adaptive tree rounds (their sizes chosen by the policy's stop) give plain decoding's
+    tokens; every round lands in the unit's record, and a request admitted later starts from it."""
+    assert engine.loop.record.trials == {}
+    sizes, accepted = [], 0
+    for prompt in PROMPTS:
+        ids = engine.encode(prompt=prompt)
+        plain = engine.generate(ids, max_tokens=24, mode="off")
+        spec = engine.generate(ids, max_tokens=24, mode="draft_tree")
+        assert spec.token_ids == plain.token_ids, prompt
+        sizes += [r.drafted for r in spec.rounds if r.mode == "draft_tree"]
+        accepted += spec.speculation.accepted_tokens
+    assert accepted > 10 and sizes and max(sizes) <= PolicyConfig().tree_nodes
+    assert min(sizes) < PolicyConfig().tree_nodes  # the stop cut some trees below the budget
+    record = engine.loop.record
+    assert "draft_tree" in record.trials and "draft_tree" in record.sizes
+    later = engine.generate(engine.encode(prompt=PROMPTS[0]), max_tokens=2, mode="draft")
+    # it never drafted a tree, yet it knows the tree's acceptance: its policy began from the record
+    assert "draft_tree" in later.policy_summary["acceptance_estimate"]
+
+
+def test_a_seeded_sampled_request_starts_from_priors_not_the_units_record(engine):
+    engine.generate(engine.encode(prompt=PROMPTS[1]), max_tokens=8, mode="draft")
+    assert engine.loop.record.trials
+    seeded = engine.generate(engine.encode(prompt=PROMPTS[1]), max_tokens=2, mode="draft",
+                             params=SamplingParams(temperature=1.0, seed=3))
+    assert set(seeded.policy_summary["acceptance_estimate"]) <= {"draft"}
+
+
+def test_a_head_on_the_targets_features_runs_in_the_targets_dtype(llama_pair):
+    from specdec.batch.runner import BatchRunner
+    from specdec.loading import load_model
+
+    for dtype in (torch.float32, torch.bfloat16):
+        runner = BatchRunner(load_model(str(llama_pair["target"]), "float32").to(dtype), capacity_tokens=64)
+        assert _head_dtype("auto", runner) == dtype
+        assert _head_dtype("float32", runner) == torch.float32
+    assert ModelConfig(target="t").eagle_dtype == "auto" and ModelConfig(target="t").medusa_dtype == "auto"
