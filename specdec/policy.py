@@ -228,11 +228,13 @@ class SpeculationPolicy:
         cfg = cfg or self.config()
         return max(1, min(cfg.tree_nodes, round(self.record.sizes.get(mode, cfg.tree_nodes))))
 
-    def _best(self, cfg: PolicyConfig) -> tuple[str, int, float]:
-        """The best (mode, k, expected speedup) over the available drafters."""
+    def _best(self, cfg: PolicyConfig, skip: frozenset[str] = frozenset()) -> tuple[str, int, float] | None:
+        """The best (mode, k, expected speedup) over the drafters but ``skip`` (None: no other)."""
         k_max = min(cfg.k_max, self.k_request or cfg.k_max) if not self.adaptive else cfg.k_max
         options = []
         for mode in self.modes:
+            if mode in skip:
+                continue
             a = self.estimate(mode, cfg)
             c = self.costs.c(mode)
             v = self.costs.v
@@ -244,7 +246,7 @@ class SpeculationPolicy:
                 k = k_max
                 s = expected_speedup(a, k, c, v)
             options.append((mode, k, s))
-        return max(options, key=lambda o: o[2])
+        return max(options, key=lambda o: o[2]) if options else None
 
     def estimate(self, mode: str, cfg: PolicyConfig | None = None) -> float:
         """The per-token (a tree's: per-level) acceptance of ``mode``: measured, else its prior."""
@@ -264,19 +266,26 @@ class SpeculationPolicy:
         chain = cfg.prior_acceptance if chain is None else chain
         return 1.0 - (1.0 - chain) ** max(1.0, self.tree_width / 2)
 
-    def decide(self, rounds: list[RoundStats]) -> tuple[str, int]:
-        """The next round's drafter and k (0: a plain round)."""
+    def decide(self, rounds: list[RoundStats], idle: frozenset[str] = frozenset()) -> tuple[str, int]:
+        """The next round's drafter and k (0: a plain round). ``idle``: drafters known to have
+        nothing to propose this round (prompt lookup without a match): another drafter takes
+        the round if it pays, else the round is plain; neither counts as a fallback."""
         self.observe(rounds)
         cfg = self.config()
-        k = self._k(len(rounds), cfg)  # it may switch the drafter: read ``active`` after it
-        return self.active, k
+        k = self._k(len(rounds), cfg, idle if len(self.modes) > 1 else frozenset())
+        return self.active, k  # ``_k`` may switch the drafter: read ``active`` after it
 
-    def _k(self, index: int, cfg: PolicyConfig) -> int:
+    def _k(self, index: int, cfg: PolicyConfig, idle: frozenset[str] = frozenset()) -> int:
         if cfg.kill_switch:
             return 0
         if self.costs.step_s is None and index == 1 and self.adaptive:
             return 0  # one plain step measures the unit's step time; it costs nothing
         mode, k, s = self._best(cfg)
+        if mode in idle and not (self.plain and not self.probing):
+            other = self._best(cfg, idle)
+            if other is None or other[2] < 1 + cfg.margin_off:
+                return 0  # the best drafter has nothing this round, and no other pays: plain
+            mode, k, s = other
         self._speedup = s
         if self.probing:  # the probe round just ran: decide on its evidence
             self.probing = False
@@ -289,8 +298,8 @@ class SpeculationPolicy:
             self.plain, self.plain_tokens = True, 0
             self._note(index, "fallback")
         if self.plain:
-            if self.plain_tokens < cfg.probe_interval:
-                return 0
+            if self.plain_tokens < cfg.probe_interval or mode in idle:
+                return 0  # (a probe of an idle drafter waits for a round where it has something)
             self.probing = True
             self._note(index, f"probe:{mode}")
             # The stretch that made it fall back is old news now: the probe is judged from what

@@ -10,6 +10,7 @@ from specdec.stats import RoundStats
 from specdec.engine import Engine
 from specdec.engine.schedule import StepCosts
 from specdec.policy import (
+    DrafterRecord,
     PolicyConfig,
     SpeculationPolicy,
     best_k,
@@ -229,3 +230,30 @@ def test_a_seeded_request_keeps_the_flags_it_was_admitted_under(engines):
         assert max(r.k for r in after.rounds) == 1 and after.token_ids != before.token_ids
     finally:
         engine.policy_config = PolicyConfig()
+
+
+def test_a_lookup_without_a_match_gives_its_round_to_another_drafter_or_to_a_plain_step():
+    """auto with prompt lookup and a model drafter: lookup, priced best, takes the rounds where
+    it has a match; where it has none, the other drafter takes the round if it pays, else the
+    round is plain. Neither is a fallback: the next round with a match speculates again."""
+    costs = StepCosts()
+    costs.observe_verify(1, 0.01)
+    prefill = RoundStats(0, "prefill", 0, 0, 0, 1, 0.0, 0.05)
+
+    def policy(draft_acceptance):
+        record = DrafterRecord(trials={"ngram": (0.9, 0.1), "draft": (draft_acceptance, 1 - draft_acceptance)})
+        return SpeculationPolicy(modes=["ngram", "draft"], costs=costs, config=lambda: PolicyConfig(), record=record)
+
+    good = policy(0.5)
+    assert good.decide([prefill])[0] == "ngram"
+    mode, k = good.decide([prefill], idle=frozenset({"ngram"}))
+    assert (mode, k > 0) == ("draft", True)
+    bad = policy(0.02)
+    assert bad.decide([prefill], idle=frozenset({"ngram"}))[1] == 0
+    mode, k = bad.decide([prefill])
+    assert (mode, k > 0) == ("ngram", True) and not bad.plain
+    assert not any(e == "fallback" for _, e in bad.events + good.events)
+    # the control: one drafter only, nothing to hand the round to (idle is ignored: its rounds say)
+    alone = SpeculationPolicy(modes=["ngram"], costs=costs, config=lambda: PolicyConfig(),
+                              record=DrafterRecord(trials={"ngram": (0.9, 0.1)}))
+    assert alone.decide([prefill], idle=frozenset({"ngram"}))[1] > 0

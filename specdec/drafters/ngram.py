@@ -51,5 +51,10 @@ class NgramDrafter:
                      for r in rows]
         return Drafted(proposals, time.perf_counter() - t0, 1)
 
+    def has_match(self, context: list[int]) -> bool:
+        """Whether a round would propose anything for ``context`` (the policy asks before it
+        picks a drafter: prompt lookup costs nothing to ask)."""
+        return bool(prompt_lookup(context, 1, self.min_ngram, self.max_ngram))
+
     def release(self, key: str) -> None:
         pass

@@ -608,7 +608,7 @@ class StepLoop:
         if kill_switch or len(live.rounds) < live.draft_retry_at:
             policy.observe(live.rounds)  # keep its estimates current
             return Candidate(0.0, 0, "off", fixed=True)
-        mode, k = policy.decide(live.rounds)
+        mode, k = policy.decide(live.rounds, self._idle(live))
         k = draft_budget(min(k, cfg.k_max), live.req.max_tokens - len(live.out))
         seeded = live.req.params.seed is not None and not live.req.params.greedy
         a = policy.estimate(mode, cfg)
@@ -619,6 +619,14 @@ class StepLoop:
             a = cfg.prior_acceptance
         nodes = policy.tree_size(mode, cfg) if DRAFTERS[mode].trees else 0
         return Candidate(a, k, mode, fixed=seeded or not policy.adaptive, nodes=nodes)
+
+    def _idle(self, live: _Live) -> frozenset[str]:
+        """The drafters of ``live``'s policy that would propose nothing this round: prompt
+        lookup without a match (asking costs a search of the context, nothing more)."""
+        lookup = self.loop_drafters.get("ngram")
+        if lookup is None or "ngram" not in live.policy.modes or len(live.policy.modes) < 2:
+            return frozenset()
+        return frozenset() if lookup.has_match(live.ids) else frozenset({"ngram"})
 
     def _stop_ids(self, req: GenerationRequest) -> frozenset[int]:
         return req.stop_token_ids if req.ignore_eos else req.stop_token_ids | self.eos_token_ids
