@@ -266,23 +266,27 @@ class SpeculationPolicy:
         chain = cfg.prior_acceptance if chain is None else chain
         return 1.0 - (1.0 - chain) ** max(1.0, self.tree_width / 2)
 
-    def decide(self, rounds: list[RoundStats], idle: frozenset[str] = frozenset()) -> tuple[str, int]:
-        """The next round's drafter and k (0: a plain round). ``idle``: drafters known to have
-        nothing to propose this round (prompt lookup without a match): another drafter takes
-        the round if it pays, else the round is plain; neither counts as a fallback."""
+    def decide(self, rounds: list[RoundStats], idle: Callable[[str], bool] | None = None) -> tuple[str, int]:
+        """The next round's drafter and k (0: a plain round). ``idle(mode)``: whether that
+        drafter is known to have nothing to propose this round (prompt lookup without a match;
+        asked only of the drafter it would pick): another drafter takes the round if it pays,
+        else the round is plain; neither counts as a fallback."""
         self.observe(rounds)
         cfg = self.config()
-        k = self._k(len(rounds), cfg, idle if len(self.modes) > 1 else frozenset())
+        k = self._k(len(rounds), cfg, idle if len(self.modes) > 1 else None)
         return self.active, k  # ``_k`` may switch the drafter: read ``active`` after it
 
-    def _k(self, index: int, cfg: PolicyConfig, idle: frozenset[str] = frozenset()) -> int:
+    def _k(self, index: int, cfg: PolicyConfig, idle: Callable[[str], bool] | None = None) -> int:
         if cfg.kill_switch:
             return 0
         if self.costs.step_s is None and index == 1 and self.adaptive:
             return 0  # one plain step measures the unit's step time; it costs nothing
         mode, k, s = self._best(cfg)
-        if mode in idle and not (self.plain and not self.probing):
-            other = self._best(cfg, idle)
+        due = not self.plain or self.probing or self.plain_tokens >= cfg.probe_interval
+        if due and idle is not None and idle(mode):
+            if self.plain and not self.probing:
+                return 0  # a probe of an idle drafter waits for a round where it has something
+            other = self._best(cfg, frozenset({mode}))
             if other is None or other[2] < 1 + cfg.margin_off:
                 return 0  # the best drafter has nothing this round, and no other pays: plain
             mode, k, s = other
@@ -298,8 +302,8 @@ class SpeculationPolicy:
             self.plain, self.plain_tokens = True, 0
             self._note(index, "fallback")
         if self.plain:
-            if self.plain_tokens < cfg.probe_interval or mode in idle:
-                return 0  # (a probe of an idle drafter waits for a round where it has something)
+            if self.plain_tokens < cfg.probe_interval:
+                return 0
             self.probing = True
             self._note(index, f"probe:{mode}")
             # The stretch that made it fall back is old news now: the probe is judged from what

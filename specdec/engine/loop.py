@@ -620,13 +620,14 @@ class StepLoop:
         nodes = policy.tree_size(mode, cfg) if DRAFTERS[mode].trees else 0
         return Candidate(a, k, mode, fixed=seeded or not policy.adaptive, nodes=nodes)
 
-    def _idle(self, live: _Live) -> frozenset[str]:
-        """The drafters of ``live``'s policy that would propose nothing this round: prompt
-        lookup without a match (asking costs a search of the context, nothing more)."""
+    def _idle(self, live: _Live) -> Callable[[str], bool] | None:
+        """Whether a drafter of ``live``'s policy would propose nothing this round: prompt
+        lookup without a match (asked only when the policy would pick it: a search of the
+        context)."""
         lookup = self.loop_drafters.get("ngram")
-        if lookup is None or "ngram" not in live.policy.modes or len(live.policy.modes) < 2:
-            return frozenset()
-        return frozenset() if lookup.has_match(live.ids) else frozenset({"ngram"})
+        if lookup is None:
+            return None
+        return lambda mode: mode == "ngram" and not lookup.has_match(live.ids)
 
     def _stop_ids(self, req: GenerationRequest) -> frozenset[int]:
         return req.stop_token_ids if req.ignore_eos else req.stop_token_ids | self.eos_token_ids
