@@ -16,7 +16,6 @@ Each figure is the median over the decode steps in which all ``B`` rows ran.
 from __future__ import annotations
 
 import statistics
-import threading
 import time
 from pathlib import Path
 
@@ -105,10 +104,12 @@ def engine_step_s(engine, rows: int, steps: int) -> tuple[float, dict]:
     vocab = min(len(engine.tokenizer), engine.target_model.config.vocab_size)
     prompts = [torch.randint(1, vocab, (PROMPT_TOKENS,), generator=gen).tolist() for _ in range(rows)]
     engine.loop.timings.clear()
-    threads = [threading.Thread(target=engine.generate, args=(p,),
-                                kwargs=dict(max_tokens=steps, mode="off", ignore_eos=True)) for p in prompts]
-    [t.start() for t in threads]
-    [t.join() for t in threads]
+    with engine.loop.together():  # admitted in one step (threads started one by one were not always)
+        handles = [engine.loop.submit(engine.request(p, max_tokens=steps, mode="off", ignore_eos=True))
+                   for p in prompts]
+    for handle in handles:
+        for _ in handle:
+            pass
     full = [t for t in engine.loop.timings if t.rows == rows and t.decoding]
     if len(full) < 3:
         raise RuntimeError(f"only {len(full)} steps ran all {rows} rows together")

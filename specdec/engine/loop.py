@@ -26,6 +26,7 @@ cut its rounds elsewhere when it resumes: the same distribution, other samples).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import math
@@ -283,6 +284,13 @@ class StepLoop:
             self._ensure_thread()
             self._cv.notify()
         return live.handle
+
+    @contextlib.contextmanager
+    def together(self) -> Iterator[None]:
+        """Requests submitted inside are admitted in the same step (if they fit): the loop
+        cannot take the waiting queue until the block ends (measurements of B rows at once)."""
+        with self._cv:
+            yield
 
     @property
     def active(self) -> int:
