@@ -89,8 +89,8 @@ def _costs(slope: float) -> StepCosts:
 
 
 def test_a_tree_node_is_priced_by_its_verify_token_and_a_tree_by_the_nodes_it_proposes():
-    policy = SpeculationPolicy(modes=["draft", "draft_tree"], costs=_costs(0.03), config=lambda: PolicyConfig(tree_nodes=16),
-                               tree_modes={"draft_tree": "draft"})
+    policy = SpeculationPolicy(modes=["draft", "draft_tree"], costs=_costs(0.03),
+                               config=lambda: PolicyConfig(tree_nodes=16), tree_modes={"draft_tree": "draft"})
     dv = policy.costs.v(2) - policy.costs.v(1)
     assert policy.stop_below("draft_tree") == pytest.approx(dv)  # S = 1 before a decision, kappa = 1
     assert policy.stop_below("draft") == pytest.approx(policy.costs.c("draft") + dv)

@@ -71,8 +71,8 @@ def _head_dtype(dtype: str, target: BatchRunner) -> torch.dtype:
 
 
 def _eagle(models: ModelConfig, spec: SpeculationConfig, target: BatchRunner, capacity: int) -> EagleDrafter:
-    return EagleDrafter(target, load_eagle_head(models.eagle_head, target.model, _head_dtype(models.eagle_dtype, target)),
-                        spec.tree_width)
+    head = load_eagle_head(models.eagle_head, target.model, _head_dtype(models.eagle_dtype, target))
+    return EagleDrafter(target, head, spec.tree_width)
 
 
 def _medusa(models: ModelConfig, spec: SpeculationConfig, target: BatchRunner, capacity: int) -> MedusaDrafter:

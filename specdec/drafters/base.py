@@ -231,9 +231,9 @@ class Trees:
     drafter's tree stops early. The row's ``stop_below`` sizes the tree by what it pays: a node
     whose path probability ``exp(value)`` is below it is neither expanded nor proposed (the best
     child of the pending token always is). The loop sets it where one more verify token would
-    buy more than the node is expected to add (``SpeculationPolicy.stop_below``). Candidates are the drafter's top tokens, never samples: the
-    proposal is a set of point masses, which exact verification of trees needs
-    (``specdec.batch.verify``). Sampled rows rank by their processed distribution ``q``.
+    cost more than the node is expected to add (``SpeculationPolicy.stop_below``). Candidates
+    are the drafter's top tokens, never samples: the proposal is a set of point masses, which
+    exact verification of trees needs (``specdec.batch.verify``). Sampled rows rank by their processed distribution ``q``.
     """
 
     def __init__(self, rows: list[DraftRow], width: int):

@@ -37,7 +37,8 @@ from specdec.models.medusa import MedusaHeads
 
 
 def medusa_tree(top_ids: Sequence[Sequence[int]], top_logp: Sequence[Sequence[float]], nodes: int,
-                width: int | None = None, stop_below: float = 0.0) -> tuple[list[int], tuple[int, ...], tuple[float, ...]]:
+                width: int | None = None,
+                stop_below: float = 0.0) -> tuple[list[int], tuple[int, ...], tuple[float, ...]]:
     """The best token tree of at most ``nodes`` nodes from per-depth candidates (EAGLE-2 style).
 
     ``top_ids[d]`` / ``top_logp[d]`` [w]: head ``d``'s best tokens (distinct) and their
