@@ -499,6 +499,8 @@ def test_quick_tiny_run_writes_every_field(tiny_home, capsys):
     assert report["models"]["dtype"] == report["models"]["dtype_used"] == "float32"
     # v(k) at --ks and below, the policy's k_max (8) and transformers' lookup default (10).
     assert report["costs"]["c"] > 0 and set(report["costs"]["v"]) == {"0", "1", "2", "3", "4", "8", "10", "16"}
+    # The step is timed in the numerics the loop runs the target in (the default's).
+    assert report["costs"]["numerics"] == "batch_invariant" and "(batch_invariant numerics)" in table
     rows = report["configurations"]
     for workload in ("chat", "code", "grounded", "sampling"):
         assert [r["name"] for r in rows if r["workload"] == workload] == expected
@@ -544,7 +546,11 @@ def test_quick_tiny_run_writes_every_field(tiny_home, capsys):
             assert r["k"] is None and r["v_k"] is None and set(r["policy"]) >= {"k_histogram", "fallbacks"}
     assert {t["target"] for t in report["targets"]} >= {
         "draft >= transformers assisted", "ngram >= transformers prompt lookup", "efficiency >= 0.85",
-        "auto >= 0.95x plain"}
+        "auto >= 0.95x plain", "plain TPOT <= 1.1x target step"}
+    for t in report["targets"]:  # what the loop adds to a lone stream's step, per workload
+        if t["target"] == "plain TPOT <= 1.1x target step":
+            off = next(r for r in rows if r["workload"] == t["scope"] and r["name"] == "off")
+            assert t["value"] == pytest.approx(off["tpot_s"]["p50"] / report["costs"]["target_step_s"])
     # The transformers hook used to count assisted rounds is restored.
     assert vars(GenerationMixin)["_get_candidate_generator"] is original_hook
     assert "== transformers settings (as transformers applied them) ==" in table

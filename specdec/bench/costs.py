@@ -5,7 +5,11 @@ attention the step loop uses, outside the loop, one row per pass): after prefill
 prompt, a 1-token forward with the cache is one *step*; a ``(k + 1)``-token forward is a
 verify pass, reported relative to a step. Every pass is rolled back to the prompt, so all see
 the same context length, and the kinds are interleaved so machine noise hits them alike;
-medians over ``reps``.
+medians over ``reps``. The target is timed in the numerics the step loop runs it in
+(``invariant``): batch-invariant numerics pad a step's products and group its queries
+(``specdec.batch.numerics``, ``specdec.batch.attention``), which costs a lone bf16 step of the
+demo target about a fifth more on a 2-core AMD EPYC with AVX-512 BF16 (49-50 ms against 37-45
+ms for the fast numerics, one run), so a step timed in the other numerics is not the loop's.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ class Costs:
     target_step_s: float
     draft_step_s: float | None  # None without a draft model
     verify_s: dict[int, float] = field(default_factory=dict)  # k -> (k + 1)-token forward time
+    numerics: str = "fast"  # the target's: "batch_invariant" or "fast"
 
     @property
     def c(self) -> float | None:
@@ -42,6 +47,7 @@ class Costs:
             "target_step_s": self.target_step_s,
             "draft_step_s": self.draft_step_s,
             "c": self.c,
+            "numerics": self.numerics,
             "v": {str(k): val for k, val in self.v.items()},
         }
 
@@ -62,17 +68,18 @@ def _timed_pass(runner: BatchRunner, context: list[int], extra: list[int]) -> fl
 
 def measure_costs(
     target_model, draft_model, context: list[int], ks: list[int], *, reps: int = 20, warmup: int = WARMUP_REPS,
-    on_rep: Callable[[], None] = lambda: None,
+    on_rep: Callable[[], None] = lambda: None, invariant: bool = False,
 ) -> Costs:
     """Median step and verify times over ``reps`` interleaved repetitions; ``on_rep`` is called
-    after each of the ``warmup + reps`` repetitions."""
+    after each of the ``warmup + reps`` repetitions. ``invariant``: time the target in
+    batch-invariant numerics (as a step loop so configured runs it)."""
     if len(context) < 2:
         raise ValueError("cost measurement needs a context of at least 2 tokens")
     ks = sorted({k for k in ks if k >= 1})
     extra = (context * (max(ks, default=1) // len(context) + 2))[: max(ks, default=0) + 1]
     # A pool of its own per model, just large enough for the one sequence timed here.
     size = len(context) + len(extra)
-    target = BatchRunner(target_model, capacity_tokens=size)
+    target = BatchRunner(target_model, capacity_tokens=size, invariant=invariant)
     draft = BatchRunner(draft_model, capacity_tokens=size) if draft_model is not None else None
     for runner in (target, draft):  # prefill
         if runner is not None:
@@ -99,4 +106,5 @@ def measure_costs(
         target_step_s=target_step,
         draft_step_s=statistics.median(times["draft"]) if draft is not None else None,
         verify_s={k: statistics.median(times[f"v{k}"]) for k in ks},
+        numerics="batch_invariant" if invariant else "fast",
     )

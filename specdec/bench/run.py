@@ -95,10 +95,10 @@ class Bench:
 
         self.opts = opts
         self.target_path, self.draft_path, local = resolve_models(opts)
-        self.engine = Engine.load(ModelConfig(
-            target=self.target_path, draft=self.draft_path, dtype=opts.dtype, draft_dtype=opts.draft_dtype,
-            **local,
-        ))
+        models = ModelConfig(target=self.target_path, draft=self.draft_path, dtype=opts.dtype,
+                             draft_dtype=opts.draft_dtype, **local)
+        self.numerics = models.numerics  # the target's, in the loop (its step is timed in them)
+        self.engine = Engine.load(models)
         self.engine.eos_token_ids = frozenset()  # every run makes exactly max_tokens tokens
         self.tokenizer = self.engine.tokenizer
         self.target_model = self.engine.target_model
@@ -217,7 +217,7 @@ def _costs(bench: Bench, opts: BenchOptions, prompts: list[Prompt], phase: Phase
     cost_ks = sorted(set(range(1, max(opts.ks) + 1)) | {k_max, HF_LOOKUP_DEFAULT_TOKENS, nodes})
     phase.now(f"c and v(k) for k in {cost_ks}, {len(context)}-token context")
     return compute.run(measure_costs, bench.target_model, bench.draft_model, context, cost_ks,
-                       reps=opts.cost_reps, on_rep=phase.advance)
+                       reps=opts.cost_reps, on_rep=phase.advance, invariant=bench.numerics == "batch_invariant")
 
 
 def _warm_up(bench: Bench, opts: BenchOptions, prompt: Prompt, active: list[BenchConfig], skipped: list[dict],
@@ -315,7 +315,7 @@ def _report(bench: Bench, opts: BenchOptions, started: float, prompts: list[Prom
         "skipped": skipped,
         "http": {"url": opts.url, "model": bench.client.model if bench.client else None,
                  "concurrency": concurrency} if opts.url else None,
-        "targets": targets(rows),
+        "targets": targets(rows, costs),
         "peak_rss_mb": peak_rss_mb(),
     }
 
@@ -345,8 +345,8 @@ def render(report: dict) -> str:
         f"specdec bench: target {report['models']['target']} ({_dtype(report['models'])}), "
         f"draft {report['models']['draft']} ({report['models']['draft_dtype']}); "
         f"drafters: {', '.join(report['models']['drafters'])}",
-        "costs: target step {:.2f} ms, c = {}, v(k) = {} (context {} tokens)".format(
-            report["costs"]["target_step_s"] * 1000,
+        "costs: target step {:.2f} ms ({} numerics), c = {}, v(k) = {} (context {} tokens)".format(
+            report["costs"]["target_step_s"] * 1000, report["costs"].get("numerics", "fast"),
             "-" if report["costs"]["c"] is None else f"{report['costs']['c']:.3f}",
             ", ".join(f"{k}:{v:.2f}" for k, v in report["costs"]["v"].items() if k != "0"),
             report["costs"]["context_tokens"],
