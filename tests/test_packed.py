@@ -87,3 +87,76 @@ def test_a_layer_made_under_inference_mode_packs():
         assert packed.pack_linears(layer) == 1
         x = torch.randn(3, 96)
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+
+
+def _llama(dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if not packed.available(dtype):
+        pytest.skip(f"no packed {dtype} products on this machine")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=96, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=120)
+    return LlamaForCausalLM(cfg).to(dtype).eval()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_siblings_give_each_layer_its_own_product_bit_for_bit(dtype, monkeypatch):
+    """q / k / v and gate / up run as one product a group, and each part is what the layer's
+    own packed product gives; a whole forward makes 4 products a layer instead of 7."""
+    model = _llama(dtype)
+    x = torch.randn(5, 96).to(dtype)
+    with torch.inference_mode():
+        separate = {}
+        for name, m in model.named_modules():
+            if type(m) is torch.nn.Linear and name.split(".")[-1] in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+                separate[name] = packed.linear(x, packed.pack(m.weight), m.bias)
+        ids = torch.randint(0, 120, (1, 7))
+        assert packed.pack_linears(model) == 2 * 7 + 1
+        layers = dict(model.named_modules())
+        assert all(layers[n].siblings is not None for n in separate)
+        for name, want in separate.items():  # in the layer's calling order, and each alone
+            assert torch.equal(layers[name](x), want), name
+        unfused = _llama(dtype)
+        for m in unfused.modules():
+            if type(m) is torch.nn.Linear:
+                m.__class__ = packed.PackedLinear
+                m._repack()
+        products = []
+        real = packed.linear
+        monkeypatch.setattr(packed, "linear", lambda *a: products.append(1) or real(*a))
+        got = model(ids).logits
+        assert len(products) == 2 * 4 + 1  # qkv, o, gate-up, down a layer; the LM head
+        assert torch.equal(got, unfused(ids).logits)
+
+
+def test_a_sibling_called_out_of_order_or_on_another_input_is_still_its_own_product():
+    model = _llama(torch.float32)
+    packed.pack_linears(model)
+    attn = model.model.layers[0].self_attn
+    x, y = torch.randn(3, 96), torch.randn(3, 96)
+    want = {n: F.linear(x, getattr(attn, n).weight) for n in ("q_proj", "k_proj", "v_proj")}
+    fused = attn.q_proj.siblings
+
+    def close(a, b):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+    with torch.inference_mode():
+        for window in (False, True):  # outside the attention's forward, and inside it
+            if window:
+                fused.open()
+            for order in (("v_proj", "q_proj", "k_proj"), ("k_proj", "k_proj", "q_proj")):
+                for n in order:
+                    close(getattr(attn, n)(x), want[n])
+        attn.q_proj(x)  # k's part of x pending, then k asked for y: y's product
+        close(attn.k_proj(y), F.linear(y, attn.k_proj.weight))
+        attn.q_proj(x)
+        fused.close()  # the forward ended: nothing pending is used after it
+        z = x.clone().mul_(2)
+        close(attn.k_proj(z), F.linear(z, attn.k_proj.weight))
+        assert fused._local.held is None
+    with torch.no_grad():
+        attn.k_proj.weight.mul_(2)  # a member's weight written: the stacked weight repacks
+        close(attn.k_proj(x), 2 * want["k_proj"])
+    model(torch.randint(0, 120, (1, 5)))  # a forward leaves nothing held
+    assert fused._local.held is None and not fused._local.open

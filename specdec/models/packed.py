@@ -19,6 +19,13 @@ so a model is packed once, at load, and every pass of it (every step, every mode
 guard's replays) runs the same kernels. Their rounding across row counts is what
 ``specdec.batch.numerics`` measures, on the op the model runs (``product``).
 
+Siblings that read the same input (a Llama layer's q / k / v projections; its gate and up
+projections) run as ONE product on their weights stacked (``fuse_siblings``): whichever of them
+is called first with an input computes all of them, and the others take their part of it. On the
+demo target's shapes that takes 30 layers' products from 15.7 to 12.9 ms at one row and from 17.6
+to 14.7 ms at eight (2-core AMD EPYC, AVX-512 BF16, cold weights), and each part equals its own
+product bit for bit there (bf16 and fp32, 1 to 130 rows), so fusing changes no number.
+
 The original weight stays (tied embeddings read it, training updates it): a packed layer holds
 its weight twice. A packed layer computes with ``F.linear`` where autograd is recording (the
 packed op has no derivative: a frozen target's LM head under a trained head's loss), and
@@ -64,8 +71,65 @@ def _version(weight: torch.Tensor) -> int:
     return 0 if weight.is_inference() else weight._version
 
 
+class Siblings:
+    """Packed layers that read the same input, run as one product on their stacked weights.
+
+    Inside their parent module's forward (``open``, between its hooks), the first member called
+    with an input ``x`` computes every member's output and each member then takes its own part
+    when called with that same tensor; a member called with another input starts over, so any
+    calling order is correct and the usual one (each member once per input) saves products.
+    The window is the parent's forward because an inference tensor keeps no count of in-place
+    writes: the model's code between the calls (a Llama layer's) does not write its input.
+    Outside it, a member's output is its part of a product of its own. Per thread.
+    """
+
+    def __init__(self, members: list["PackedLinear"]):
+        self.members = members
+        self.sizes = [m.out_features for m in members]
+        self.shape = (members[0].in_features, sum(self.sizes))  # (inputs, outputs) of the product
+        self._versions: tuple[int, ...] | None = None
+        self._local = threading.local()
+
+    def __getstate__(self):
+        return {"members": self.members, "sizes": self.sizes, "shape": self.shape}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, _versions=None, _local=threading.local())
+
+    def open(self, *_) -> None:
+        """The parent's forward begins (a forward pre-hook)."""
+        self._local.held, self._local.open = None, True
+
+    def close(self, *_) -> None:
+        """The parent's forward ended (a forward hook): nothing computed is kept."""
+        self._local.held, self._local.open = None, False
+
+    def _product(self, x: torch.Tensor) -> list[torch.Tensor]:
+        versions = tuple(_version(m.weight) for m in self.members) + tuple(
+            _version(m.bias) for m in self.members if m.bias is not None)
+        if versions != self._versions:  # a member's weight was written: stack and pack again
+            weight = torch.cat([m.weight.detach() for m in self.members])
+            bias = None if self.members[0].bias is None else torch.cat([m.bias.detach() for m in self.members])
+            self._packed, self._bias, self._versions = pack(weight), bias, versions
+        return list(linear(x, self._packed, self._bias).split(self.sizes, dim=-1))
+
+    def part(self, member: "PackedLinear", x: torch.Tensor) -> torch.Tensor:
+        """``member``'s output for ``x``: from the pending product of this input if there is one."""
+        i = self.members.index(member)
+        if not getattr(self._local, "open", False):
+            return self._product(x)[i]
+        held = self._local.held  # (x, the parts not yet taken)
+        if held is None or held[0] is not x or held[1][i] is None:
+            held = (x, self._product(x))
+        out, held[1][i] = held[1][i], None
+        self._local.held = None if all(p is None for p in held[1]) else held
+        return out
+
+
 class PackedLinear(torch.nn.Linear):
     """An ``nn.Linear`` whose forward uses its weight packed (``pack_linears`` makes them)."""
+
+    siblings: Siblings | None = None  # the fused product it is part of (``fuse_siblings``)
 
     def _repack(self) -> None:
         self._packed = pack(self.weight)
@@ -81,20 +145,50 @@ class PackedLinear(torch.nn.Linear):
         if getattr(_STOCK, "on", False) or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)) \
                 or x.device.type != "cpu" or x.dtype != self.weight.dtype:
             return F.linear(x, self.weight, self.bias)
+        if self.siblings is not None:
+            return self.siblings.part(self, x)
         if _version(self.weight) != self._packed_version:
             self._repack()
         return linear(x, self._packed, self.bias)
 
 
+# Sibling projections of one input, by the attribute names transformers' Llama-style layers use.
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
 def pack_linears(model: torch.nn.Module) -> int:
-    """Pack every ``nn.Linear`` of a CPU model whose dtype packs here; how many were packed."""
+    """Pack every ``nn.Linear`` of a CPU model whose dtype packs here, and fuse their siblings
+    (``fuse_siblings``); how many were packed."""
     count = 0
     for module in model.modules():
         if type(module) is torch.nn.Linear and module.weight.device.type == "cpu" and available(module.weight.dtype):
             module.__class__ = PackedLinear
             module._repack()
             count += 1
+    fuse_siblings(model)
     return count
+
+
+def fuse_siblings(model: torch.nn.Module) -> int:
+    """Make each group of ``SIBLINGS`` under one module (packed, same input size, dtype and
+    bias-or-not) one product; how many groups."""
+    groups = 0
+    for module in model.modules():
+        for names in SIBLINGS:
+            members = [getattr(module, n, None) for n in names]
+            if not all(isinstance(m, PackedLinear) and m.siblings is None for m in members):
+                continue
+            first = members[0]
+            if any(m.in_features != first.in_features or m.weight.dtype != first.weight.dtype
+                   or (m.bias is None) != (first.bias is None) for m in members):
+                continue
+            fused = Siblings(members)
+            for m in members:
+                m.siblings, m._packed = fused, None  # the stacked weight is the one packed
+            module.register_forward_pre_hook(fused.open)
+            module.register_forward_hook(fused.close)
+            groups += 1
+    return groups
 
 
 @contextlib.contextmanager
