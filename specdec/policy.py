@@ -52,8 +52,17 @@ def expected_speedup(a: float, k: int, c: float, v: Callable[[int], float]) -> f
 
 
 def best_k(a: float, c: float, v: Callable[[int], float], k_max: int) -> tuple[int, float]:
-    """The k in [1, k_max] with the highest expected speedup, and that speedup."""
-    return max(((k, expected_speedup(a, k, c, v)) for k in range(1, k_max + 1)), key=lambda x: x[1])
+    """The k in [1, k_max] with the highest expected speedup, and that speedup (the first k of
+    the highest, as ``max`` gives). Every row of every step asks it for every drafter: one loop,
+    ``expected_speedup`` inlined."""
+    expected_tokens(a, 0)  # the range check
+    best, top = 0, float("-inf")
+    for k in range(1, k_max + 1):
+        e = float(k + 1) if a > 1.0 - 1e-12 else (1.0 - a ** (k + 1)) / (1.0 - a)
+        s = e / (k * c + v(k))
+        if s > top:
+            best, top = k, s
+    return best, top
 
 
 class PolicyConfig(BaseModel):
@@ -232,14 +241,15 @@ class SpeculationPolicy:
         """The best (mode, k, expected speedup) over the drafters but ``skip`` (None: no other)."""
         k_max = min(cfg.k_max, self.k_request or cfg.k_max) if not self.adaptive else cfg.k_max
         options = []
+        chain_v = [self.costs.v(k) for k in range(k_max + 1)]  # once a decision, not once a mode and k
         for mode in self.modes:
             if mode in skip:
                 continue
             a = self.estimate(mode, cfg)
             c = self.costs.c(mode)
-            v = self.costs.v
+            v = chain_v.__getitem__
             if mode in self.tree_modes:  # depth k, the same nodes whatever k: one verify of them all
-                v = lambda k, nodes=self.tree_size(mode, cfg): self.costs.v(nodes)  # noqa: E731
+                v = lambda k, tree=self.costs.v(self.tree_size(mode, cfg)): tree  # noqa: E731
             if self.adaptive:
                 k, s = best_k(a, c, v, k_max)
             else:
