@@ -160,3 +160,11 @@ def test_a_sibling_called_out_of_order_or_on_another_input_is_still_its_own_prod
         close(attn.k_proj(x), 2 * want["k_proj"])
     model(torch.randint(0, 120, (1, 5)))  # a forward leaves nothing held
     assert fused._local.held is None and not fused._local.open
+
+    def fail(*_):
+        raise RuntimeError("a failing step")
+
+    attn.o_proj.register_forward_pre_hook(fail)  # after q / k / v: a forward that raises midway
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="a failing step"):
+        model(torch.randint(0, 120, (1, 5)))
+    assert fused._local.held is None and not fused._local.open  # nothing of it is kept either

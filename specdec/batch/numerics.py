@@ -38,12 +38,13 @@ PROBE_MAX_OUT = 4096  # a wider product (an LM head) is probed at this many outp
 
 def product_shapes(model: torch.nn.Module) -> tuple[tuple[str, int, int], ...]:
     """The distinct (op, inputs, outputs) of the model's matrix products: ``nn.Linear`` (F.linear,
-    or oneDNN's on a packed weight: ``PackedLinear``, siblings fused as one product) and transformers' ``Conv1D`` (GPT-2's, an
-    ``addmm``)."""
+    or oneDNN's on a packed weight: ``PackedLinear``, fused siblings as their one product) and
+    transformers' ``Conv1D`` (GPT-2's, an ``addmm``)."""
     shapes = set()
     for m in model.modules():
         if isinstance(m, PackedLinear):  # the kernel it runs is another (``specdec.models.packed``)
-            shapes.add(("packed", *m.siblings.shape) if m.siblings is not None else ("packed", m.in_features, m.out_features))
+            shape = m.siblings.shape if m.siblings is not None else (m.in_features, m.out_features)
+            shapes.add(("packed", *shape))
         elif isinstance(m, torch.nn.Linear):
             shapes.add(("linear", m.in_features, m.out_features))
         elif type(m).__name__ == "Conv1D" and getattr(m, "weight", None) is not None and m.weight.dim() == 2:

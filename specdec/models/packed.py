@@ -186,7 +186,7 @@ def fuse_siblings(model: torch.nn.Module) -> int:
             for m in members:
                 m.siblings, m._packed = fused, None  # the stacked weight is the one packed
             module.register_forward_pre_hook(fused.open)
-            module.register_forward_hook(fused.close)
+            module.register_forward_hook(fused.close, always_call=True)  # also when the forward raised
             groups += 1
     return groups
 
