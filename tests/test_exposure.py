@@ -430,7 +430,11 @@ def test_mutated_requests_never_get_a_5xx(server):
 
 def test_overload_at_three_times_capacity_is_refused_fast_and_admitted_requests_complete(server):
     capacity = 2 + 4  # running + queued (the "small" app)
-    body = {**OK, "max_tokens": 48, "ignore_eos": True, "temperature": 0, "speculation": {"mode": "off"}}
+    # Long enough (~1.5 s a request here) that the whole burst reaches the proxy before any slot
+    # frees even on a loaded 2-core machine: with 48 tokens (0.4 s) a CI run saw the proxy take the
+    # burst's tail after the first completions, and admit 3 of it into the freed slots.
+    tokens = 192
+    body = {**OK, "max_tokens": tokens, "ignore_eos": True, "temperature": 0, "speculation": {"mode": "off"}}
 
     async def one(client):
         t0 = time.perf_counter()
@@ -457,7 +461,7 @@ def test_overload_at_three_times_capacity_is_refused_fast_and_admitted_requests_
     for r, _ in refused:
         assert int(r.headers["retry-after"]) >= 1 and r.json()["error"]["code"] == "overloaded"
     for r, _, _ in served:
-        assert r.json()["usage"]["completion_tokens"] == 48
+        assert r.json()["usage"]["completion_tokens"] == tokens
     slowest_refusal, fastest_served = max(s for _, s in refused), min(s for _, s, _ in served)
     print(f"overload: {len(served)} served, {len(refused)} refused; refusals within {slowest_refusal * 1e3:.0f} ms, "
           f"first completion after {fastest_served * 1e3:.0f} ms")
