@@ -228,7 +228,7 @@ async def run_faults(cluster: LocalCluster, config: dict, *, streams: int = 16, 
                                                  report=report))
         await asyncio.sleep(before_s)
         killed_at = time.perf_counter() - report.t0
-        pid = processes.kill(role, APP)
+        pid = await asyncio.to_thread(processes.kill, role, APP, wait_s=60.0)
         say(f"killed the {role} ({pid}) under {streams} streams")
         restored = None
         while restored is None and time.perf_counter() - report.t0 - killed_at < restore_timeout_s:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from dataclasses import dataclass
 
 import psutil
@@ -56,9 +57,15 @@ def pids(role: str, app: str = "specdec") -> list[int]:
     return [p.pid for p in find(app) if p.role == role]
 
 
-def kill(role: str, app: str = "specdec") -> int:
-    """SIGKILL the one process of ``role`` (a crash: no cleanup runs); its pid."""
+def kill(role: str, app: str = "specdec", *, wait_s: float = 0.0) -> int:
+    """SIGKILL the one process of ``role`` (a crash: no cleanup runs); its pid. ``wait_s``: how
+    long to wait for there to be exactly one (Serve may be replacing a replica that failed its
+    health check after an earlier kill: for a moment there are none, or two)."""
+    deadline = time.monotonic() + wait_s
     found = pids(role, app)
+    while len(found) != 1 and time.monotonic() < deadline:
+        time.sleep(0.25)
+        found = pids(role, app)
     if len(found) != 1:
         raise RuntimeError(f"expected one {role} process of {app!r}, found {found}")
     os.kill(found[0], signal.SIGKILL)
