@@ -11,7 +11,10 @@ took one of a node's candidates) and its ``k`` the tree's depth; it verifies its
 whatever ``k``: ``S = E(a, k) / (k c + v(N))``. The policy picks the ``k`` in
 ``[1, k_max]`` that maximises ``S``; when even that is below ``1 + margin_off`` it decodes
 plainly, probes with one speculative round every ``probe_interval`` plain tokens, and goes
-back only when ``S`` clears the higher ``1 + margin_on`` (hysteresis: no flapping).
+back only when ``S`` clears the higher ``1 + margin_on`` (hysteresis: no flapping). A drafter
+that costs nothing to ask (prompt lookup) is scored on every round, run or not
+(``SpeculationPolicy.shadow``): its estimate needs no probe, and a request resumes with it as
+soon as its own text starts repeating.
 
 Worked example: a = 0.8, c = 0.1, v(k) = 1 + 0.02 k. k = 4: E = (1 - 0.8^5) / 0.2 = 3.36,
 cost = 0.4 + 1.08 = 1.48, S = 2.27; k = 5: E = 3.69, cost = 1.60, S = 2.31; k = 6 is
@@ -184,6 +187,7 @@ class SpeculationPolicy:
     events: list[tuple[int, str]] = field(default_factory=list)  # (round index, what)
     k_used: Counter = field(default_factory=Counter)
     record: DrafterRecord = field(default_factory=DrafterRecord)
+    shadowed: frozenset[str] = frozenset()  # drafters every round scores, run or not (``shadow``)
     _seen: int = 0
     _speedup: float = 1.0  # the expected speedup of the last decision
 
@@ -204,6 +208,32 @@ class SpeculationPolicy:
             if r.k == 0 and r.mode != "prefill":
                 self.plain_tokens += r.emitted
         self._seen = len(rounds)
+
+    def shadow(self, mode: str, proposed: list[int], emitted: list[int]) -> RoundStats | None:
+        """A round's evidence about a drafter that did not run in it but costs nothing to ask
+        (prompt lookup): ``proposed``, what it would have drafted from the round's context,
+        against ``emitted``, the tokens the target emitted there. Verification keeps each
+        emitted token a draw from the target's p given the ones before it, so it equals a
+        point-mass draft ``d`` with probability ``p(d)``: the chance that ``d`` is accepted.
+        The leading matches are accepted drafts, a mismatch among the emitted tokens is a
+        rejection, and a proposal that outlasts them ends unrejected. Recorded as a round of
+        ``mode`` and returned (for the unit's record too); None when it proposed nothing.
+
+            proposed [5, 6, 7], emitted [5, 9]  ->  1 accepted, rejected
+            proposed [5, 6, 7], emitted [5, 6]  ->  2 accepted, not rejected (unknown past 2)
+        """
+        if not proposed or mode not in self.shadowed:
+            return None
+        accepted = 0
+        for d, t in zip(proposed, emitted):
+            if d != t:
+                break
+            accepted += 1
+        r = RoundStats(index=-1, mode=mode, k=len(proposed), drafted=len(proposed), accepted=accepted,
+                       emitted=0, draft_s=0.0, verify_s=0.0, full=accepted >= min(len(proposed), len(emitted)))
+        cfg = self.config()
+        self.record.observe(r, cfg.ewma, cfg.prior_acceptance, mode in self.tree_modes)
+        return r
 
     def stop_below(self, mode: str) -> float:
         """The confidence stop for this request's next chain (``specdec.drafters.base.Chains``)
@@ -292,7 +322,9 @@ class SpeculationPolicy:
         if self.costs.step_s is None and index == 1 and self.adaptive:
             return 0  # one plain step measures the unit's step time; it costs nothing
         mode, k, s = self._best(cfg)
-        due = not self.plain or self.probing or self.plain_tokens >= cfg.probe_interval
+        # A drafter every round scores needs no probe: its estimate is as fresh as the last round.
+        current = self.plain and not self.probing and mode in self.shadowed and s >= 1 + cfg.margin_on
+        due = not self.plain or self.probing or current or self.plain_tokens >= cfg.probe_interval
         if due and idle is not None and idle(mode):
             if self.plain and not self.probing:
                 return 0  # a probe of an idle drafter waits for a round where it has something
@@ -301,7 +333,10 @@ class SpeculationPolicy:
                 return 0  # the best drafter has nothing this round, and no other pays: plain
             mode, k, s = other
         self._speedup = s
-        if self.probing:  # the probe round just ran: decide on its evidence
+        if current:
+            self.plain = False
+            self._note(index, f"resume:{mode}")
+        elif self.probing:  # the probe round just ran: decide on its evidence
             self.probing = False
             if s >= 1 + cfg.margin_on:
                 self.plain = False
@@ -318,7 +353,7 @@ class SpeculationPolicy:
             self._note(index, f"probe:{mode}")
             # The stretch that made it fall back is old news now: the probe is judged from what
             # the unit knew at admission (if anything), not from this request's last bad rounds.
-            if mode in self._start.trials:
+            if mode in self._start.trials and mode not in self.shadowed:
                 self.record.trials[mode] = self._start.trials[mode]
             k = min(k, 2)  # a cheap probe
         if mode != self.active:

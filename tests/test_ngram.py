@@ -1,3 +1,7 @@
+import random
+
+import pytest
+
 from specdec.drafters.base import DraftRow
 from specdec.drafters.ngram import NgramDrafter, prompt_lookup
 from specdec.sampling import SamplingParams
@@ -28,3 +32,25 @@ def test_no_match_is_an_empty_proposal_and_k_caps_length():
     assert b.tokens == [] and c.tokens == []
     assert d.tokens == [8, 3, 6] and d.probs is None
     assert [p.tokens for p in NgramDrafter(1, 1).propose(rows[3:]).proposals] == [[6, 2, 3]]  # the rows' min/max n apply
+
+
+@pytest.mark.parametrize("min_n,max_n", [(1, 4), (2, 3), (1, 1)])
+def test_the_index_answers_as_the_scan_does_as_a_sequence_grows(min_n, max_n):
+    """The drafter's per-row index gives prompt_lookup's answer after every token, over
+    sequences with many repeats (a small vocabulary), and starts afresh for another sequence
+    under the same key (a shorter one, and one of the same length with another last token)."""
+    rng = random.Random(min_n * 10 + max_n)
+    drafter = NgramDrafter(min_n, max_n)
+    for trial in range(6):
+        seq = [rng.randrange(5) for _ in range(rng.randrange(1, 6))]
+        for _ in range(120):
+            k = rng.randrange(1, 9)
+            assert drafter.lookup("r", seq, k) == prompt_lookup(seq, k, min_n, max_n), (trial, seq, k)
+            seq = seq + [rng.randrange(5)] * rng.choice([1, 1, 1, 3])  # one token, or a round's worth
+    assert drafter.lookup("r", seq, 3) == prompt_lookup(seq, 3, min_n, max_n)
+    swapped = seq[:-2] + [7, seq[-1]]  # as long as the indexed sequence, another token before the last
+    assert drafter.lookup("r", swapped, 3) == prompt_lookup(swapped, 3, min_n, max_n)
+    other = [9, 9, 1, 9, 9]  # shorter
+    assert drafter.lookup("r", other, 3) == prompt_lookup(other, 3, min_n, max_n)
+    drafter.release("r")
+    assert "r" not in drafter._index

@@ -136,6 +136,51 @@ def test_kill_switch_and_fixed_k():
     assert set(drive(capped, accept=1.0, n_rounds=10)) == {2}
 
 
+def test_a_shadow_scored_drafter_is_learned_from_rounds_it_did_not_run_and_resumed_without_a_probe():
+    """Prompt lookup is scored on every round (``shadow``): a request admitted with a record
+    that says lookup never pays (the unit's other requests did not repeat themselves), running
+    plainly, switches to lookup within a few rounds of its text starting to repeat, long
+    before a probe is due; without shadow scoring (the control) it waits for the probe."""
+    costs = StepCosts()
+    costs.observe_verify(1, 0.01)
+    prefill = RoundStats(0, "prefill", 0, 0, 0, 1, 0.0, 0.05)
+
+    def run(shadowed):
+        record = DrafterRecord(trials={"ngram": (0.02, 0.98), "draft": (0.05, 0.95)})
+        policy = SpeculationPolicy(modes=["ngram", "draft"], costs=costs, config=lambda: PolicyConfig(),
+                                   record=record, shadowed=shadowed)
+        rounds, first = [prefill], None
+        for i in range(1, 40):
+            mode, k = policy.decide(rounds)
+            if k and mode == "ngram":
+                first = first or i
+                rounds.append(rnd(i, "ngram", k, k))  # the repeats go on: every draft accepted
+                continue
+            rounds.append(RoundStats(i, "off", 0, 0, 0, 1, 0.0, 0.01))
+            # what lookup would have drafted: the emitted token and the next ones (the text repeats)
+            policy.shadow("ngram", [11, 12, 13, 14], [11])
+        return policy, first
+
+    policy, first = run(frozenset({"ngram"}))
+    assert first is not None and first <= 8, first
+    assert any(e == "resume:ngram" for _, e in policy.events) and not any(e.startswith("probe") for _, e in policy.events)
+    control, late = run(frozenset())
+    assert late is None or late > PolicyConfig().probe_interval // 2, late
+    assert control.shadow("ngram", [1], [1]) is None  # not scored: not in its shadowed set
+
+
+def test_shadow_scoring_counts_leading_matches_and_rejections_as_a_round_would():
+    policy = SpeculationPolicy(modes=["ngram"], costs=StepCosts(), config=lambda: PolicyConfig(),
+                               shadowed=frozenset({"ngram"}))
+    r = policy.shadow("ngram", [5, 6, 7], [5, 9])
+    assert (r.accepted, r.full) == (1, False)  # the second draft was rejected
+    r = policy.shadow("ngram", [5, 6, 7], [5, 6])
+    assert (r.accepted, r.full) == (2, True)  # the round ran out of tokens: nothing rejected
+    r = policy.shadow("ngram", [5], [5, 6, 7])
+    assert (r.accepted, r.full) == (1, True)
+    assert policy.shadow("ngram", [], [5]) is None
+
+
 # --- the engine with a real (tiny) pair ----------------------------------------------------
 
 
@@ -195,6 +240,29 @@ def test_engine_auto_and_kill_switch(engines):
         assert killed.speculation.mode == "off" and killed.speculation.drafted_tokens == 0
     finally:
         engine.policy_config = PolicyConfig()
+
+
+def test_engine_auto_learns_prompt_lookup_from_rounds_that_did_not_run_it(engines):
+    """The unit's record says prompt lookup never pays (as after requests that did not repeat
+    themselves); an auto request whose text repeats finds out from its plain and draft rounds
+    (each is scored against what lookup would have proposed) and drafts with lookup, with the
+    same tokens as plain decoding; the unit's record learns it too."""
+    engine = engines["bad"]  # the model draft is useless: its rounds go plain
+    assert "ngram" in engine.drafters
+    ids = engine.encode(prompt="The robot finds the old house. The robot finds the old house. The robot finds")
+    plain = engine.generate(ids, max_tokens=60, mode="off")
+    saved = engine.loop.record
+    engine.loop.record = DrafterRecord(trials={"ngram": (0.0, 1.0), "draft": (0.0, 1.0)})
+    try:
+        auto = engine.generate(ids, max_tokens=60, mode="auto")
+        unit = engine.loop.record.acceptance("ngram")
+    finally:
+        engine.loop.record = saved
+    assert auto.token_ids == plain.token_ids
+    lookup = [r for r in auto.rounds if r.mode == "ngram"]
+    assert lookup and sum(r.accepted for r in lookup) >= 10, [(r.mode, r.k, r.accepted) for r in auto.rounds]
+    assert auto.policy_summary["probes"] == 0  # resumed on the scores, not on a probe
+    assert unit > 0.2
 
 
 def test_seeded_sampling_is_reproducible_under_the_adaptive_policy(engines):

@@ -66,6 +66,7 @@ log = logging.getLogger(__name__)
 HOLD_SEEDED_S = 30.0
 HOLD_POLL_S = 0.05  # a step in which every row waits: how long before the next try
 REPLAY_BACKLOG = 256  # quality replays (and sampled answers to score) that may wait for spare capacity
+SHADOWED = ("ngram",)  # drafters that cost nothing to ask: every round scores them (``_shadow``)
 UNIT_EWMA = 0.05  # weight of one round in the unit's drafter record (``StepLoop.record``): ~20 rounds' memory
 
 
@@ -378,6 +379,7 @@ class StepLoop:
             tree_modes={m: DRAFTERS[m].tree_of for m in self.modes if DRAFTERS[m].trees},
             tree_width=self.tree_width,
             record=record,
+            shadowed=frozenset(SHADOWED) & set(self.loop_drafters),
         )
 
     # --- one step ---------------------------------------------------------------------------
@@ -635,7 +637,20 @@ class StepLoop:
         lookup = self.loop_drafters.get("ngram")
         if lookup is None:
             return None
-        return lambda mode: mode == "ngram" and not lookup.has_match(live.ids)
+        return lambda mode: mode == "ngram" and not lookup.has_match(live.key, live.ids)
+
+    def _shadow(self, live: _Live, row: Row, emitted: list[int]) -> None:
+        """Score the free drafters ``live``'s policy may choose but this round did not run on
+        the tokens it emitted (``SpeculationPolicy.shadow``), in its record and the unit's: a
+        request learns at once whether its text repeats, whatever the unit's other requests
+        taught the record, and one in plain fallback resumes as soon as it does."""
+        policy = live.policy
+        for mode in (policy.shadowed & set(policy.modes)) - {row.mode}:
+            proposed = self.loop_drafters[mode].lookup(live.key, row.context, policy.config().k_max)
+            stats = policy.shadow(mode, proposed, emitted)
+            if stats is not None:
+                with self._record_lock:
+                    self.record.observe(stats, UNIT_EWMA, self.policy_config().prior_acceptance, False)
 
     def _stop_ids(self, req: GenerationRequest) -> frozenset[int]:
         return req.stop_token_ids if req.ignore_eos else req.stop_token_ids | self.eos_token_ids
@@ -727,6 +742,8 @@ class StepLoop:
         if stats.drafted:
             with self._record_lock:
                 self.record.observe(stats, UNIT_EWMA, self.policy_config().prior_acceptance, DRAFTERS[row.mode].trees)
+        if index and live.policy is not None:
+            self._shadow(live, row, verdict.tokens)
         live.prefilled = len(live.prefill)  # an emitting row has its whole prefill behind it
         delta, kept = live.text.add(tokens)
         if live.text.stopped:
@@ -748,6 +765,8 @@ class StepLoop:
             self.blocks.release(live.blocks)
             live.blocks = []
             self._release += [("target", live.key), ("draft", live.key)]
+            for drafter in self.loop_drafters.values():
+                drafter.release(live.key)
         if error is not None:
             live.handle.put(ErrorEvent(error))
         elif not cancelled:
