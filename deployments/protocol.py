@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_validator
 
 from specdec.config import Mode
-from specdec.grammar import GrammarSpec
+from specdec.grammar_spec import GrammarSpec
 
 
 class SpeculationOptions(BaseModel):

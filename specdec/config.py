@@ -8,7 +8,6 @@ from typing import Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from specdec import __version__
-from specdec.hardware import resolve_dtype
 
 Mode = Literal["auto", "draft", "draft_tree", "ngram", "early_exit", "eagle", "eagle_tree", "medusa",
                "medusa_tree", "off"]  # what a request or a config may ask for
@@ -108,6 +107,8 @@ class ModelConfig(_Strict):
     def fingerprint(self) -> str:
         """OpenAI's ``system_fingerprint``: the build and what changes greedy output (the dtype:
         bf16 rounds differently at near-ties), plus a hash of the whole model configuration."""
+        from specdec.hardware import resolve_dtype  # torch: not for a process that never asks
+
         digest = hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:10]
         return f"specdec-{__version__}-{resolve_dtype(self.dtype, self.device)}-{digest}"
 

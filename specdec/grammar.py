@@ -32,23 +32,10 @@ import torch
 import xgrammar as xgr
 
 from specdec import trees
+from specdec.grammar_spec import KINDS, GrammarSpec  # noqa: F401 (re-exported)
 
-KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 MAX_WHITESPACE = 2  # JSON: at most this many whitespace characters in a row (a free run never ends)
 _LOOSE_CHAR, _JSON_CHAR = r'[^\"\\\r\n]', r'[^\0-\x1f\"\\\r\n]'
-
-
-@dataclass(frozen=True)
-class GrammarSpec:
-    """What the output must match. ``kind``: one of ``KINDS``; ``source``: the JSON schema's text,
-    the regular expression, the JSON list of choices or the EBNF grammar ("" for json_object)."""
-
-    kind: str
-    source: str = ""
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"grammar kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
 
 
 class Grammars:

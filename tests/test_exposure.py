@@ -315,6 +315,26 @@ def test_the_openai_types_parse_every_shape_we_send(server):
     assert parsed[0].choices[0].delta.role == "assistant" and parsed[-1].usage.completion_tokens == 2
 
 
+# --- the HTTP front stays light ------------------------------------------------------------------
+
+
+def test_the_ingress_process_loads_no_torch_and_the_router_does(server):
+    """The Ingress only parses, checks and streams: its process maps no libtorch (torch costs a
+    replica seconds of start and hundreds of MB), while the router's, which runs the models, does
+    (the control: the check can see a loaded torch)."""
+    from deployments import processes
+
+    def libraries(pid: int) -> str:
+        with open(f"/proc/{pid}/maps") as maps:
+            return maps.read()
+
+    assert post(C, OK).status_code == 200  # both have served
+    ingress, routers = processes.pids("ingress", "open"), processes.pids("router", "open")
+    assert ingress and routers
+    assert all("libtorch" not in libraries(pid) for pid in ingress)
+    assert all("libtorch" in libraries(pid) for pid in routers)
+
+
 # --- the proxy drops a client's timeout overrides -----------------------------------------------
 
 
@@ -431,10 +451,11 @@ def test_mutated_requests_never_get_a_5xx(server):
 
 def test_overload_at_three_times_capacity_is_refused_fast_and_admitted_requests_complete(server):
     capacity = 2 + 4  # running + queued (the "small" app)
-    # Long enough (~1.5 s a request here) that the whole burst reaches the proxy before any slot
-    # frees even on a loaded 2-core machine: with 48 tokens (0.4 s) a CI run saw the proxy take the
-    # burst's tail after the first completions, and admit 3 of it into the freed slots.
-    tokens = 192
+    # Long enough (~4 s a request here) that the whole burst reaches the proxy before any slot
+    # frees even on a loaded 2-core machine: CI runs saw the proxy take the burst's tail after the
+    # first completions and admit 2-3 of it into the freed slots, with 48 tokens (0.4 s) and with
+    # 192 (1.6 s). The burst goes over connections opened beforehand.
+    tokens = 480
     body = {**OK, "max_tokens": tokens, "ignore_eos": True, "temperature": 0, "speculation": {"mode": "off"}}
 
     async def one(client):
@@ -444,6 +465,7 @@ def test_overload_at_three_times_capacity_is_refused_fast_and_admitted_requests_
 
     async def run():
         async with httpx.AsyncClient(timeout=120) as client:
+            await asyncio.gather(*(client.get(f"{BASE}/open/v1/models") for _ in range(3 * capacity)))
             return await asyncio.gather(*(one(client) for _ in range(3 * capacity)))
 
     results = asyncio.run(run())
