@@ -643,7 +643,7 @@ def test_the_overhead_bench_times_steps_in_which_every_row_ran(monkeypatch, caps
     real_build = overhead.build_model
     monkeypatch.setattr(overhead, "build_model", lambda *a, **k: real_build(shape))
     out = tmp_path / "overhead.json"
-    assert main(["bench", "--overhead", "--rows", "1,3", "--steps", "6", "--out", str(out)]) == 0
+    assert main(["bench", "--overhead", "--rows", "1,3", "--steps", "6", "--repeats", "2", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert [line.split("|")[1].strip() for line in printed.splitlines() if line[:3] in ("| 1", "| 3")] == ["1", "3"]
     rows = json.loads(out.read_text())["overhead"]
@@ -651,6 +651,7 @@ def test_the_overhead_bench_times_steps_in_which_every_row_ran(monkeypatch, caps
     for r in rows:
         assert r["engine_ms"] > r["plan_ms"] > 0 and r["dense_ms"] > 0
         assert r["ratio"] == pytest.approx(r["engine_ms"] / r["dense_ms"])
+        assert r["repeats"] == 2 and r["ratio_range"][0] <= r["ratio_range"][1]
 
 
 def test_the_prefix_bench_prints_ttft_with_a_shared_system_prompt_and_capacity(tmp_path, capsys):

@@ -36,7 +36,7 @@ def _overhead(args: argparse.Namespace) -> int:
 
     with Progress("bench", force=args.progress).phase("overhead", len(args.rows)) as phase:
         results = overhead.run(list(args.rows), steps=args.steps, threads=args.threads, numerics=args.numerics,
-                               phase=phase)
+                               repeats=args.repeats or 3, phase=phase)
     print(f"engine vs a dense forward, near-zero-compute model, numerics {args.numerics}")
     print(overhead.table(results))
     if args.out:

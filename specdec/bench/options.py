@@ -92,7 +92,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--workloads", type=_workloads, default=list(WORKLOADS),
                    help=f"comma-separated subset of {','.join(WORKLOADS)}")
     r.add_argument("--prompts", type=int, help="prompts per workload")
-    r.add_argument("--repeats", type=int, help="repeats of every (prompt, configuration)")
+    r.add_argument("--repeats", type=int,
+                   help="repeats of every (prompt, configuration); with --overhead: engine / dense turns (3)")
     r.add_argument("--max-tokens", type=int, help="output tokens per run (EOS is ignored)")
     r.add_argument("--max-prompt-tokens", type=int, default=256)
     r.add_argument("--ks", type=_ints, help="fixed draft lengths, e.g. 2,4,6")

@@ -8,9 +8,10 @@ forward of ``B`` rows x 1 token over a cache of the same length (SDPA, no engine
 is what the engine adds; on a GPU, where the model is fast, it is most of the step.
 
     specdec bench --overhead                 # rows 1, 8, 32, 64, the fast numerics
-    specdec bench --overhead --rows 1,8 --steps 32 --numerics batch_invariant
+    specdec bench --overhead --rows 1,8 --steps 32 --numerics batch_invariant --repeats 5
 
-Each figure is the median over the decode steps in which all ``B`` rows ran.
+Each figure is the median over the decode steps in which all ``B`` rows ran, then over
+``--repeats`` (3) turns of engine and dense forward, timed alternately.
 """
 
 from __future__ import annotations
@@ -122,8 +123,10 @@ def engine_step_s(engine, rows: int, steps: int) -> tuple[float, dict]:
 
 
 def run(rows_list: list[int], steps: int = 24, threads: int | None = None, numerics: str = "fast",
-        phase: Phase = SILENT) -> list[dict]:
-    """One result per level of ``rows_list`` (``phase`` counts the levels)."""
+        repeats: int = 3, phase: Phase = SILENT) -> list[dict]:
+    """One result per level of ``rows_list`` (``phase`` counts the levels). Each level times the
+    engine and the dense forward in turn ``repeats`` times, side by side, so that a machine's
+    drift falls on both: the medians, their ratio, and the range of the paired ratios."""
     if threads:
         compute.set_threads(threads)
     model = compute.run(build_model)
@@ -133,19 +136,28 @@ def run(rows_list: list[int], steps: int = 24, threads: int | None = None, numer
     results = []
     for rows in rows_list:
         phase.now(f"{rows} rows, {steps} steps")
-        step, split = engine_step_s(engine, rows, steps)
-        dense = compute.run(dense_step_s, model, rows, PROMPT_TOKENS + steps // 2, reps=max(8, steps // 2))
-        results.append({"rows": rows, "engine_ms": 1e3 * step, "dense_ms": 1e3 * dense,
-                        "ratio": step / dense, **{f"{k}_ms": 1e3 * v for k, v in split.items()}})
+        pairs = []
+        for _ in range(max(1, repeats)):
+            step, split = engine_step_s(engine, rows, steps)
+            dense = compute.run(dense_step_s, model, rows, PROMPT_TOKENS + steps // 2, reps=max(8, steps // 2))
+            pairs.append((step, dense, split))
+        step = statistics.median(p[0] for p in pairs)
+        dense = statistics.median(p[1] for p in pairs)
+        split = {k: statistics.median(p[2][k] for p in pairs) for k in pairs[0][2]}
+        ratios = [p[0] / p[1] for p in pairs]
+        results.append({"rows": rows, "engine_ms": 1e3 * step, "dense_ms": 1e3 * dense, "ratio": step / dense,
+                        "ratio_range": [min(ratios), max(ratios)], "repeats": len(pairs),
+                        **{f"{k}_ms": 1e3 * v for k, v in split.items()}})
         phase.advance()
     engine.loop.close()
     return results
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| rows | engine ms/step | dense forward ms | engine / dense | plan | target call (forward) | commit |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| rows | engine ms/step | dense forward ms | engine / dense (paired range) | plan | target call (forward) "
+             "| commit |", "|---|---|---|---|---|---|---|"]
     for r in results:
-        lines.append(f"| {r['rows']} | {r['engine_ms']:.1f} | {r['dense_ms']:.1f} | {r['ratio']:.2f} | "
+        low, high = r["ratio_range"]
+        lines.append(f"| {r['rows']} | {r['engine_ms']:.1f} | {r['dense_ms']:.1f} | {r['ratio']:.2f} ({low:.2f}-{high:.2f}) | "
                      f"{r['plan_ms']:.2f} | {r['target call_ms']:.1f} ({r['forward_ms']:.1f}) | {r['commit_ms']:.2f} |")
     return "\n".join(lines)
