@@ -157,7 +157,8 @@ def table(results: list[dict]) -> str:
     lines = ["| rows | engine ms/step | dense forward ms | engine / dense (paired range) | plan | target call (forward) "
              "| commit |", "|---|---|---|---|---|---|---|"]
     for r in results:
-        low, high = r["ratio_range"]
-        lines.append(f"| {r['rows']} | {r['engine_ms']:.1f} | {r['dense_ms']:.1f} | {r['ratio']:.2f} ({low:.2f}-{high:.2f}) | "
+        paired = r.get("ratio_range")  # absent for a single turn (scripts/gpu_costs.py)
+        ratio = f"{r['ratio']:.2f}" + (f" ({paired[0]:.2f}-{paired[1]:.2f})" if paired else "")
+        lines.append(f"| {r['rows']} | {r['engine_ms']:.1f} | {r['dense_ms']:.1f} | {ratio} | "
                      f"{r['plan_ms']:.2f} | {r['target call_ms']:.1f} ({r['forward_ms']:.1f}) | {r['commit_ms']:.2f} |")
     return "\n".join(lines)
