@@ -239,6 +239,37 @@ def test_concurrency_sweep_against_a_fake_server(fake_url):
     assert len(FakeServer.bodies) == 3 + 6
 
 
+def test_the_sweep_pairs_alternating_turns_and_reports_their_ratio_range():
+    """--repeats: every mode runs once a turn, the order alternating (a drift of the machine's
+    speed hits both alike); a row is its turns' medians and carries the paired ratios to off."""
+    from specdec.bench.sweep import Sample, requests_total, sweep, table
+
+    calls = []
+
+    def make_sender(mode):
+        def send(prompt):
+            calls.append(mode)
+            # Each turn of a mode its own size, so the per-turn ratios differ from one another.
+            n = 8 * ((sum(1 for m in calls if m == mode) - 1) // 2 + 1) if mode == "auto" else 8
+            time.sleep(0.002)
+            return Sample(n, 0.001, 0.002)
+        return send
+
+    rows = sweep(make_sender, ["off", "auto"], [2], 1, ["p"], repeats=3)
+    assert calls == ["off"] * 2 + ["auto"] * 2 + ["auto"] * 2 + ["off"] * 2 + ["off"] * 2 + ["auto"] * 2
+    assert len(calls) == requests_total(["off", "auto"], [2], 1, 3)
+    off, auto = rows
+    assert (off["mode"], off["requests"], off["tokens"]) == ("off", 6, 48) and "vs_off" not in off
+    assert auto["requests"] == 6 and auto["tokens"] == sum(16 * t for t in (1, 2, 3))
+    ratios = sorted(a / b for a, b in zip(auto["turns_tokens_per_s"], off["turns_tokens_per_s"]))
+    assert auto["vs_off"] == ratios[1] and auto["vs_off_range"] == [ratios[0], ratios[2]]
+    assert ratios[0] < ratios[2]
+    assert auto["tokens_per_s"] == sorted(auto["turns_tokens_per_s"])[1]
+    assert f"{auto['vs_off']:.2f} ({ratios[0]:.2f}-{ratios[2]:.2f})" in table(rows, "in process")
+    single = sweep(make_sender, ["off", "auto"], [2], 1, ["p"])
+    assert "vs_off" not in single[1] and "turns_tokens_per_s" not in single[1]
+
+
 # --------------------------------------------------------------------------- progress
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import threading
 import time
 from dataclasses import dataclass
@@ -116,22 +117,49 @@ def http_sender(url: str, model: str, mode: str, max_tokens: int, chat: bool):
 
 
 def sweep(make_sender, modes: list[str], levels: list[int], requests: int, prompts: list[str],
-          phase: Phase = SILENT) -> list[dict]:
-    """One row per (level, mode), printed as JSON as it ends; ``phase`` counts the requests
-    (``requests_total``)."""
+          phase: Phase = SILENT, repeats: int = 1) -> list[dict]:
+    """One row per (level, mode), printed as JSON as its level ends; ``phase`` counts the
+    requests (``requests_total``).
+
+    Each level runs every mode ``repeats`` times, in turns whose order alternates (off, auto,
+    auto, off, ...), so that a drift of the machine's speed hits every mode alike; a row's
+    figures are the medians over its turns. With several turns, a row other than ``off`` also
+    carries ``vs_off``: the median of its turns' ratios to ``off``'s turn beside it, and
+    ``vs_off_range``, their smallest and largest (how far one run could have misled).
+    """
     rows = []
     for level in levels:
-        for mode in modes:  # interleaved per level: drifts in machine load hit both modes alike
-            phase.now(f"{mode}, {level} streams x {requests}")
-            row = {"mode": mode, **run_level(phase.counting(make_sender(mode)), level, requests, prompts)}
+        turns: dict[str, list[dict]] = {m: [] for m in modes}
+        for turn in range(repeats):
+            for mode in (modes if turn % 2 == 0 else modes[::-1]):
+                phase.now(f"{mode}, {level} streams x {requests}" + (f", turn {turn + 1}/{repeats}" * (repeats > 1)))
+                turns[mode].append(run_level(phase.counting(make_sender(mode)), level, requests, prompts))
+        for mode in modes:
+            row = {"mode": mode, **_medians(turns[mode])}
+            if repeats > 1 and "off" in turns and mode != "off":
+                ratios = sorted(a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(turns[mode], turns["off"]))
+                row["vs_off"] = statistics.median(ratios)
+                row["vs_off_range"] = [ratios[0], ratios[-1]]
             rows.append(row)
             phase.print_stdout(json.dumps(row))
     return rows
 
 
-def requests_total(modes: list[str], levels: list[int], requests: int) -> int:
+def _medians(turns: list[dict]) -> dict:
+    """One level's turns of one mode as one row: counts summed, rates and latencies their medians,
+    each turn's tokens/s kept (``turns_tokens_per_s``)."""
+    if len(turns) == 1:
+        return turns[0]
+    counts = ("concurrency", "requests", "tokens")
+    row = {k: statistics.median(t[k] for t in turns) for k in turns[0] if k not in counts}
+    return {"concurrency": turns[0]["concurrency"], "requests": sum(t["requests"] for t in turns),
+            "tokens": sum(t["tokens"] for t in turns), **row,
+            "turns_tokens_per_s": [t["tokens_per_s"] for t in turns]}
+
+
+def requests_total(modes: list[str], levels: list[int], requests: int, repeats: int = 1) -> int:
     """The requests ``sweep`` sends."""
-    return len(modes) * sum(levels) * requests
+    return len(modes) * sum(levels) * requests * repeats
 
 
 def _warm_up(make_sender, modes: list[str], prompt: str, phase: Phase) -> None:
@@ -142,13 +170,13 @@ def _warm_up(make_sender, modes: list[str], prompt: str, phase: Phase) -> None:
 
 
 def _section(progress: Progress, where: str, make_sender, modes: list[str], levels: list[int], requests: int,
-             prompts: list[str], warm_up: bool = True) -> list[dict]:
+             prompts: list[str], warm_up: bool = True, repeats: int = 1) -> list[dict]:
     """Warm every mode up once (``warm_up``), then sweep: two phases."""
     if warm_up:
         with progress.phase(f"{where}: warm-up", len(modes)) as phase:
             _warm_up(make_sender, modes, prompts[0], phase)
-    with progress.phase(where, requests_total(modes, levels, requests)) as phase:
-        return sweep(make_sender, modes, levels, requests, prompts, phase)
+    with progress.phase(where, requests_total(modes, levels, requests, repeats)) as phase:
+        return sweep(make_sender, modes, levels, requests, prompts, phase, repeats)
 
 
 def table(rows: list[dict], where: str) -> str:
@@ -156,7 +184,10 @@ def table(rows: list[dict], where: str) -> str:
     off = {r["concurrency"]: r["tokens_per_s"] for r in rows if r["mode"] == "off"}
     for r in rows:
         ratio = r["tokens_per_s"] / off[r["concurrency"]] if off.get(r["concurrency"]) else float("nan")
-        lines.append(f"| {r['mode']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | {ratio:.2f} | "
+        vs_off = f"{ratio:.2f}"
+        if "vs_off" in r:  # paired turns: the median ratio and its range
+            vs_off = f"{r['vs_off']:.2f} ({r['vs_off_range'][0]:.2f}-{r['vs_off_range'][1]:.2f})"
+        lines.append(f"| {r['mode']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | {vs_off} | "
                      f"{r['tpot_ms_p50']:.1f} / {r['tpot_ms_p95']:.1f} | {r['ttft_ms_p50']:.0f} / {r['ttft_ms_p95']:.0f} |")
     return "\n".join(lines)
 
@@ -197,6 +228,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the target's numerics, comma-separated to compare them in process (batch_invariant,fast)")
     p.add_argument("--concurrency", default="1,2,4,8,16")
     p.add_argument("--requests", type=int, default=2, help="requests per stream")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="turns of every mode per level, in alternating order; several give each ratio to off as the "
+                        "median of paired turns, with its range")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--workload", choices=sorted(WORKLOAD_PROMPTS), default="code")
     p.add_argument("--threads", type=int, help="torch threads (default: what torch picks)")
@@ -225,7 +259,8 @@ def run(args, progress: Progress = QUIET) -> dict:
     sections: dict[str, list[dict]] = {}
     if args.url:
         http = lambda m: http_sender(args.url, args.model, m, args.max_tokens, chat)  # noqa: E731
-        sections["HTTP"] = _section(progress, "HTTP", http, modes, levels, args.requests, prompts, warm_up=False)
+        sections["HTTP"] = _section(progress, "HTTP", http, modes, levels, args.requests, prompts, warm_up=False,
+                                    repeats=args.repeats)
         return sections
     import torch
 
@@ -243,7 +278,8 @@ def run(args, progress: Progress = QUIET) -> dict:
             engine = Engine.load(ModelConfig(**models, numerics=numeric), max_num_seqs=max(levels))
             phase.advance()
         send = lambda m: in_process_sender(engine, m, args.max_tokens, chat)  # noqa: E731
-        sections[where] = _section(progress, where, send, modes, levels, args.requests, prompts)
+        sections[where] = _section(progress, where, send, modes, levels, args.requests, prompts,
+                                   repeats=args.repeats)
         engine.loop.close()
     models["numerics"] = numerics[0]
     if args.http:
@@ -254,7 +290,8 @@ def run(args, progress: Progress = QUIET) -> dict:
         try:
             url = f"http://127.0.0.1:{args.port}"
             http = lambda m: http_sender(url, "sweep", m, args.max_tokens, chat)  # noqa: E731
-            sections["HTTP"] = _section(progress, "HTTP", http, modes, levels, args.requests, prompts)
+            sections["HTTP"] = _section(progress, "HTTP", http, modes, levels, args.requests, prompts,
+                                        repeats=args.repeats)
         finally:
             stop()
     return sections
@@ -269,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
 def run_from_args(args) -> int:
     sections = run(args, Progress("sweep", force=args.progress))
     for where, rows in sections.items():
-        print(f"\n{where}, {args.workload}, {args.max_tokens} tokens per request, {args.requests} per stream")
+        turns = f", {args.repeats} paired turns a level" if args.repeats > 1 else ""
+        print(f"\n{where}, {args.workload}, {args.max_tokens} tokens per request, {args.requests} per stream{turns}")
         print(table(rows, where))
     if args.out:
         with open(args.out, "w") as f:
