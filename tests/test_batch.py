@@ -225,6 +225,24 @@ def test_the_guard_vetoes_speculation_that_loses_under_load(llama_pair, monkeypa
     assert informed.count(False) >= len(informed) - len(informed) // guard.explore - 1, decisions
 
 
+def test_the_guard_compares_steps_of_a_bucket_per_row():
+    """Bucket 2-3 rows: plain steps of 3 rows (3 tokens in 36 ms) against speculating steps of 2
+    rows (2.6 tokens in 37 ms): per row speculation wins (35 vs 28 tokens/s a row) and is allowed;
+    compared as whole steps (83 vs 70 tokens/s) it would be vetoed for the plain steps' extra row."""
+    from specdec.engine.schedule import GoodputGuard
+
+    guard = GoodputGuard(min_samples=2, explore=1000)
+    for _ in range(4):
+        guard.observe(2, True, tokens=2.6, seconds=0.037)
+        guard.observe(3, False, tokens=3, seconds=0.036)
+    spec, plain = guard.state()[GoodputGuard.bucket(2)]
+    assert abs(spec - 2.6 / 2 / 0.037) < 1e-9 and abs(plain - 1 / 0.036) < 1e-9
+    assert all(guard.allow(2) for _ in range(5))
+    for _ in range(40):  # speculating now delivers less per row: vetoed
+        guard.observe(2, True, tokens=2.0, seconds=0.045)
+    assert not any(guard.allow(3) for _ in range(5))
+
+
 # --- the step loop: exactness under batching ------------------------------------------------
 
 

@@ -192,14 +192,16 @@ class GoodputGuard:
     off (a draft pass that costs more in a full batch than it did alone, an optimistic
     estimate), speculating steps deliver fewer tokens per second than plain ones would. The
     guard keeps, per batch size (buckets 2-3, 4-7, 8-15, 16+ decode rows), an EWMA of the output
-    tokens per second of steps that speculated and of steps that did not, and vetoes
+    tokens per second and per row of steps that speculated and of steps that did not (per row:
+    a bucket holds steps of several sizes, and plain steps of 3 rows must not outrun speculating
+    ones of 2 by their extra row alone), and vetoes
     speculation in a bucket where it measurably loses (below ``1 - margin`` of plain). It keeps
     both estimates fresh: every ``explore``-th step of a bucket runs the arm it would not.
 
         >>> g = GoodputGuard(min_samples=2, explore=100)
         >>> for _ in range(3):
-        ...     g.observe(8, True, tokens=10, seconds=0.1)    # 100 tok/s speculating
-        ...     g.observe(8, False, tokens=12, seconds=0.1)   # 120 tok/s plain
+        ...     g.observe(8, True, tokens=10, seconds=0.1)    # 100 tok/s speculating (8 rows)
+        ...     g.observe(8, False, tokens=12, seconds=0.1)   # 120 tok/s plain (8 rows)
         >>> g.allow(8), g.allow(2)
         (False, True)
     """
@@ -220,7 +222,7 @@ class GoodputGuard:
             return
         key = (self.bucket(rows), speculated)
         with self._lock:
-            rate = tokens / seconds
+            rate = tokens / (rows * seconds)
             old = self._rate.get(key)
             self._rate[key] = rate if old is None else (1 - self.ewma) * old + self.ewma * rate
             self._seen[key] = self._seen.get(key, 0) + 1
@@ -240,6 +242,6 @@ class GoodputGuard:
         return wins
 
     def state(self) -> dict:
-        """Per bucket: (speculating, plain) tokens/s, for operators and tests."""
+        """Per bucket: (speculating, plain) tokens/s per row, for operators and tests."""
         with self._lock:
             return {b: (self._rate.get((b, True)), self._rate.get((b, False))) for b in sorted({k[0] for k in self._rate})}
