@@ -42,7 +42,7 @@ def product_shapes(model: torch.nn.Module) -> tuple[tuple[str, int, int], ...]:
     transformers' ``Conv1D`` (GPT-2's, an ``addmm``)."""
     shapes = set()
     for m in model.modules():
-        if isinstance(m, PackedLinear):  # the kernel it runs is another (``specdec.models.packed``)
+        if isinstance(m, PackedLinear) and packed.available(m.weight.dtype):  # another kernel (``models.packed``)
             shape = m.siblings.shape if m.siblings is not None else (m.in_features, m.out_features)
             shapes.add(("packed", *shape))
         elif isinstance(m, torch.nn.Linear):

@@ -46,6 +46,7 @@ _STOCK = threading.local()
 
 
 @functools.cache
+@functools.cache
 def available(dtype: torch.dtype) -> bool:
     """Can this CPU run packed products in ``dtype`` (oneDNN built in; bf16: natively)?"""
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
@@ -143,7 +144,8 @@ class PackedLinear(torch.nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if getattr(_STOCK, "on", False) or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)) \
-                or x.device.type != "cpu" or x.dtype != self.weight.dtype:
+                or x.device.type != "cpu" or x.dtype != self.weight.dtype or not available(x.dtype):
+            # not available: a model packed, then cast to a dtype this CPU cannot pack (bf16 without avx512bw)
             return F.linear(x, self.weight, self.bias)
         if self.siblings is not None:
             return self.siblings.part(self, x)
