@@ -28,6 +28,11 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def native_bf16() -> bool:
+    """The CPU has native bf16 matrix instructions (elsewhere bf16 is emulated in float32)."""
+    return any(flag in cpu_flags() for flag in BF16_CPU_FLAGS)
+
+
 def resolve_dtype(dtype: str, device: str = "auto") -> str:
     """``auto``: the fastest dtype for a model on ``device``. A GPU with bf16 takes bfloat16; a
     CPU takes bfloat16 only with native bf16 instructions (measured on the demo target: a bf16
@@ -37,4 +42,4 @@ def resolve_dtype(dtype: str, device: str = "auto") -> str:
         return dtype
     if resolve_device(device) == "cuda":
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-    return "bfloat16" if any(flag in cpu_flags() for flag in BF16_CPU_FLAGS) else "float32"
+    return "bfloat16" if native_bf16() else "float32"

@@ -83,7 +83,7 @@ def test_dtype_auto_takes_bf16_only_where_it_is_native(monkeypatch):
     assert resolve_dtype("auto", "cuda") == "bfloat16"
     # this machine's answer agrees with its CPU flags
     monkeypatch.undo()
-    native = any(f in hardware.cpu_flags() for f in hardware.BF16_CPU_FLAGS)
+    native = hardware.native_bf16()
     assert resolve_dtype("auto", "cpu") == ("bfloat16" if native else "float32")
 
 
