@@ -23,6 +23,7 @@ from specdec.batch.attention import use_ragged
 from specdec.batch.blocks import BLOCK, blocks_for, prefix_hashes, slots
 from specdec.batch.cache import FlatBatchCache, RowPlan, kv_shape
 from specdec.loading import model_max_length
+from specdec.models.lean import LeanLlama
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +133,8 @@ class BatchRunner:
         self._captured: torch.Tensor | None = None
         self.last_fed = 0  # tokens the last forward fed (its cost driver)
         self._lock = threading.RLock()
+        # Llama stacks run as plain tensor code (the same logits, less Python a step)
+        self._lean = LeanLlama(model) if LeanLlama.supports(model) else None
         params = inspect.signature(model.forward).parameters
         # transformers 5.24 renamed past_key_values to cache; older models keep the old name.
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
@@ -317,6 +320,15 @@ class BatchRunner:
         with self._lock:
             return self._forward(rows, on_device)
 
+    def _logits(self, input_ids, position_ids, mask, keep) -> torch.Tensor:
+        """[1, len(keep), vocab]: one pass of the model over the planned step."""
+        if self._lean is None:
+            return self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=True,
+                              logits_to_keep=keep, **{self._cache_kw: self.cache}).logits
+        hidden = self._lean.hidden(input_ids, position_ids, self.cache)[:, keep]
+        head = getattr(self.model, "head_logits", None)  # a reduced-vocabulary draft's
+        return head(hidden) if head is not None else self.model.lm_head(hidden)
+
     def _forward(self, rows: list[BatchRow], on_device: bool = False) -> list[torch.Tensor]:
         planned = [(i, *p) for i, row in enumerate(rows) if (p := self._plan_row(row)) is not None]
         out = [torch.empty(0, self.vocab_size, device=self.device if on_device else "cpu") for _ in rows]
@@ -341,14 +353,13 @@ class BatchRunner:
         keep = torch.tensor(keep_idx or [len(tokens) - 1], dtype=torch.long, device=self.device)
         position_ids, mask = self.cache.plan([plan for _, _, plan in planned], pad=pad)
         try:
-            result = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
-                                use_cache=True, logits_to_keep=keep, **{self._cache_kw: self.cache})
+            logits = self._logits(input_ids, position_ids, mask, keep)
             if self.features is not None:  # [1, T, d] -> the pool rows the step wrote
                 self.features[self.cache.written] = self._captured[0].to(self.features.dtype)
                 self._captured = None
         finally:
             self.cache.unbind()
-        logits = result.logits[0].float()
+        logits = logits[0].float()
         logits = logits if on_device else logits.cpu()
         at = 0
         for i, seq, plan in planned:

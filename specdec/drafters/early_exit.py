@@ -44,6 +44,7 @@ from specdec.batch.cache import RowPlan
 from specdec.batch.runner import BatchRow, BatchRunner
 from specdec.drafters.base import Chains, Drafted, DraftRow
 from specdec.models.exit_adapter import load_exit_adapter
+from specdec.models.lean import LeanLlama
 
 
 class ShallowStack:
@@ -68,6 +69,7 @@ class ShallowStack:
         if not 1 <= num_layers < len(self.layers):
             raise ValueError(f"exit layer must be in [1, {len(self.layers) - 1}], got {num_layers}")
         self.lm_head = model.lm_head
+        self.lean = LeanLlama(model) if self.arch == "llama" and LeanLlama.supports(model) else None
 
     def hidden(self, input_ids: torch.Tensor, cache) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask
@@ -88,6 +90,8 @@ class ShallowStack:
         input_ids = torch.tensor([feeds], dtype=torch.long, device=runner.device)
         position_ids, mask = runner.cache.plan(plans)
         try:
+            if self.lean is not None:  # as the runner's own steps run (``specdec.models.lean``)
+                return self.lean.layers(input_ids, position_ids, runner.cache, upto=self.num_layers)[0]
             return self.layers_forward(input_ids, position_ids, mask, runner.cache)[0]
         finally:
             runner.cache.unbind()

@@ -57,10 +57,14 @@ class ReducedHeadLlamaForCausalLM(LlamaForCausalLM):
             hidden = hidden[:, logits_to_keep]
         elif logits_to_keep > 0:
             hidden = hidden[:, -logits_to_keep:]
+        return CausalLMOutputWithPast(logits=self.head_logits(hidden), past_key_values=out.past_key_values)
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., d] final hidden states -> [..., vocab] float32 logits, -inf outside the head's vocabulary."""
         small = self.lm_head(hidden).float()
         full = small.new_full((*small.shape[:-1], self.config.vocab_size), float("-inf"))
         full.index_copy_(-1, self.token_ids, small)
-        return CausalLMOutputWithPast(logits=full, past_key_values=out.past_key_values)
+        return full
 
 
 def draft_llama_config(target_config: LlamaConfig | dict, num_layers: int) -> LlamaConfig:

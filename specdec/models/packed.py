@@ -46,7 +46,6 @@ _STOCK = threading.local()
 
 
 @functools.cache
-@functools.cache
 def available(dtype: torch.dtype) -> bool:
     """Can this CPU run packed products in ``dtype`` (oneDNN built in; bf16: natively)?"""
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
@@ -191,6 +190,11 @@ def fuse_siblings(model: torch.nn.Module) -> int:
             module.register_forward_hook(fused.close, always_call=True)  # also when the forward raised
             groups += 1
     return groups
+
+
+def stocked() -> bool:
+    """Is this thread inside ``stock()``?"""
+    return getattr(_STOCK, "on", False)
 
 
 @contextlib.contextmanager
