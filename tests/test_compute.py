@@ -31,7 +31,8 @@ def test_an_engine_loads_and_steps_its_models_on_the_compute_thread(llama_pair):
     engine = Engine.load(ModelConfig(target=str(llama_pair["target"]), draft=str(llama_pair["draft"]),
                                      dtype="float32"))
     seen = set()
-    hooks = [m.register_forward_pre_hook(lambda *_: seen.add(threading.current_thread().name))
+    # on their LM heads: a Llama step runs its layers without the model's own forward (specdec.batch.lean)
+    hooks = [m.lm_head.register_forward_pre_hook(lambda *_: seen.add(threading.current_thread().name))
              for m in (engine.target_model, engine.draft_model)]
     try:
         out = engine.generate(engine.encode(prompt="The cat"), max_tokens=8, mode="draft", k=3)

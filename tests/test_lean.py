@@ -1,4 +1,4 @@
-"""The lean Llama stack (``specdec.models.lean``) gives transformers' logits bit for bit.
+"""The lean Llama stack (``specdec.batch.lean``) gives transformers' logits bit for bit.
 
 Two runners on one model, one running the step through ``LeanLlama`` and one through the
 model's own forward, are fed the same steps of every kind of row; their logits, pools and
@@ -11,7 +11,7 @@ from specdec.batch.blocks import blocks_for, run_of
 from specdec.batch.runner import BatchRow, BatchRunner
 from specdec.loading import load_model
 from specdec.models.draft import ReducedHeadLlamaForCausalLM, draft_llama_config
-from specdec.models.lean import LeanLlama
+from specdec.batch.lean import LeanLlama
 from specdec.models.packed import pack_linears
 
 CAP = 128

@@ -23,7 +23,7 @@ from specdec.batch.attention import use_ragged
 from specdec.batch.blocks import BLOCK, blocks_for, prefix_hashes, slots
 from specdec.batch.cache import FlatBatchCache, RowPlan, kv_shape
 from specdec.loading import model_max_length
-from specdec.models.lean import LeanLlama
+from specdec.batch.lean import LeanLlama
 
 log = logging.getLogger(__name__)
 

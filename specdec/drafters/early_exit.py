@@ -41,10 +41,10 @@ import torch
 from torch import nn
 
 from specdec.batch.cache import RowPlan
+from specdec.batch.lean import LeanLlama
 from specdec.batch.runner import BatchRow, BatchRunner
 from specdec.drafters.base import Chains, Drafted, DraftRow
 from specdec.models.exit_adapter import load_exit_adapter
-from specdec.models.lean import LeanLlama
 
 
 class ShallowStack:
@@ -90,7 +90,7 @@ class ShallowStack:
         input_ids = torch.tensor([feeds], dtype=torch.long, device=runner.device)
         position_ids, mask = runner.cache.plan(plans)
         try:
-            if self.lean is not None:  # as the runner's own steps run (``specdec.models.lean``)
+            if self.lean is not None:  # as the runner's own steps run (``specdec.batch.lean``)
                 return self.lean.layers(input_ids, position_ids, runner.cache, upto=self.num_layers)[0]
             return self.layers_forward(input_ids, position_ids, mask, runner.cache)[0]
         finally:
