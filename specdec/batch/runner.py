@@ -22,8 +22,8 @@ from specdec.batch import numerics
 from specdec.batch.attention import use_ragged
 from specdec.batch.blocks import BLOCK, blocks_for, prefix_hashes, slots
 from specdec.batch.cache import FlatBatchCache, RowPlan, kv_shape
-from specdec.loading import model_max_length
 from specdec.batch.lean import LeanLlama
+from specdec.loading import model_max_length
 
 log = logging.getLogger(__name__)
 
