@@ -476,8 +476,8 @@ def test_overload_at_three_times_capacity_is_refused_fast_and_admitted_requests_
     # few that would have fit (its router says so), and a request the client sends after a slot
     # was freed takes it: at least the queue's 4 are served, never more than the capacity at once
     # (and two more: one CI run saw Serve admit 8 of the 18, all sent at once, the cause not
-    # found; others saw at most 7), and the rest of the burst is refused. "At once" is counted from the client's send times: a request that waited at
-    # the proxy counts from when it was sent.
+    # found; others saw at most 7), and the rest of the burst is refused. "At once" is counted
+    # from the client's send times: a request that waited at the proxy counts from when it was sent.
     ends = sorted(t0 + s for _, s, t0 in served)
     at_once = max(sum(t0 <= t < t0 + s for _, s, t0 in served) for _, _, t in served)
     late = sum(t0 > ends[0] for _, _, t0 in served)  # sent after a served request had finished

@@ -4,7 +4,7 @@ transformers' ``LlamaModel.forward`` is correct for every use, and pays for it o
 output-capturing and deprecation wrappers, a causal-mask builder, a cache interface, and about
 ten ``nn.Module`` calls a layer, each through hooks machinery. On a CPU serving a small model
 that Python is a large share of a decode step (the demo target, 30 layers, one row, float32, a
-2-core AMD EPYC with AVX2 only: 53 ms a dense forward, of which its 1,210 products take 28 ms).
+2-core AMD EPYC with AVX2 only: 53 ms a dense forward, of which its 121 products take 28 ms).
 
 ``LeanLlama`` runs the same layers on the same weights with the same operations in the same
 order, so a step's logits equal ``LlamaForCausalLM``'s bit for bit (``tests/test_lean.py``):

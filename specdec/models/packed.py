@@ -142,7 +142,7 @@ class PackedLinear(torch.nn.Linear):
         return {**state, "_packed": None, "_packed_version": -1}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if getattr(_STOCK, "on", False) or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)) \
+        if stocked() or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)) \
                 or x.device.type != "cpu" or x.dtype != self.weight.dtype or not available(x.dtype):
             # not available: a model packed, then cast to a dtype this CPU cannot pack (bf16 without avx512bw)
             return F.linear(x, self.weight, self.bias)
