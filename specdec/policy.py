@@ -128,14 +128,32 @@ class DrafterRecord:
     rounds proposed. A request's policy keeps one; the unit keeps one over every request's
     rounds (``StepLoop.record``), which a new request starts from instead of bare priors, so a
     drafter that does not pay here is not tried afresh by every request (nor one that does
-    given up on a few unlucky rounds)."""
+    given up on a few unlucky rounds).
+
+    ``rounds`` counts the rounds each mode's estimates have seen. Until they are ``1 / ewma``,
+    a round weighs ``1 / (n + 2)`` instead (the mean of the rounds so far, the prior counted as
+    one round): a record that starts from the prior (a seeded sampling request, which may not
+    learn from the unit's other requests; a new unit) learns a drafter's acceptance in a few
+    rounds, not in the ``~1 / ewma`` an EWMA from the prior takes. With five drafters that
+    each start at the prior, that was the whole of a 96-token answer spent trying them in turn.
+
+        >>> r = DrafterRecord()
+        >>> for _ in range(2):  # two rounds of 4 drafts, each rejected at the first
+        ...     r.observe(RoundStats(1, "draft", 4, 4, 0, 1, 0.0, 0.0), 0.1, 0.6, False)
+        >>> round(r.acceptance("draft"), 2)  # (0.6 + 0 + 0) / 3 accepted per rejection; an EWMA: 0.49
+        0.2
+    """
 
     trials: dict[str, tuple[float, float]] = field(default_factory=dict)
     calibration: dict[str, tuple[float, float]] = field(default_factory=dict)
     sizes: dict[str, float] = field(default_factory=dict)
+    rounds: dict[str, int] = field(default_factory=dict)
 
     def observe(self, r: RoundStats, w: float, prior: float, tree: bool) -> None:
         """One round that drafted; ``tree``: its mode grows trees (``prior``: a before any round)."""
+        seen = self.rounds.get(r.mode, 0)
+        self.rounds[r.mode] = seen + 1
+        w = max(w, 1.0 / (seen + 2))
         acc, rej = self.trials.get(r.mode, (prior, 1 - prior))
         # A tree's a is per level: did the target take one of the candidates at each depth
         # (a path that ends at a leaf had nothing left to try: no rejection).
@@ -160,7 +178,7 @@ class DrafterRecord:
         return acc / (acc + rej) if acc + rej > 0 else None
 
     def copy(self) -> "DrafterRecord":
-        return DrafterRecord(dict(self.trials), dict(self.calibration), dict(self.sizes))
+        return DrafterRecord(dict(self.trials), dict(self.calibration), dict(self.sizes), dict(self.rounds))
 
 
 @dataclass
@@ -355,6 +373,7 @@ class SpeculationPolicy:
             # the unit knew at admission (if anything), not from this request's last bad rounds.
             if mode in self._start.trials and mode not in self.shadowed:
                 self.record.trials[mode] = self._start.trials[mode]
+                self.record.rounds[mode] = self._start.rounds.get(mode, 0)
             k = min(k, 2)  # a cheap probe
         if mode != self.active:
             self._note(index, f"switch:{mode}")

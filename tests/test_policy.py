@@ -96,7 +96,7 @@ def test_a_tree_mode_is_priced_by_its_nodes_and_tried_when_its_drafter_is_good()
 
 
 def test_bad_draft_falls_back_and_probes_rarely_and_the_next_request_starts_plain():
-    """From the prior (0.6) a request learns a useless drafter within ~1 / ewma rounds; a
+    """From the prior (0.6) a request learns a useless drafter within a few rounds; a
     request admitted after it starts from what the unit learned (``DrafterRecord``) and does
     not try it again beyond its probes."""
     policy = make_policy()
@@ -111,6 +111,32 @@ def test_bad_draft_falls_back_and_probes_rarely_and_the_next_request_starts_plai
     assert ks.index(0) <= 1 and sum(1 for k in ks if k) <= 1 + 100 // PolicyConfig().probe_interval, ks[:20]
     fresh = drive(make_policy(), accept=0.0, n_rounds=100)  # the control: without the record it tries again
     assert fresh.index(0) > 1
+
+
+def test_a_request_from_bare_priors_learns_every_useless_drafter_in_a_few_rounds():
+    """A seeded sampling request may not start from the unit's record: every drafter starts at
+    the prior. Its first rounds are means, not an EWMA from the prior (``DrafterRecord``), so
+    four drafters that never land cost a few rounds each, then it decodes plainly but for its
+    probes. The control: the same estimates weighted as an EWMA from the first round (a record
+    that has seen many rounds) are still trying drafters far into a 96-token answer."""
+    modes = ["draft", "eagle", "medusa", "early_exit"]
+
+    def speculative_rounds(record):
+        costs = StepCosts()
+        costs.observe_verify(1, 0.01)
+        policy = SpeculationPolicy(modes=modes, costs=costs, config=lambda: PolicyConfig(), record=record)
+        rounds, drafting = [RoundStats(0, "prefill", 0, 0, 0, 1, 0.0, 0.05)], 0
+        for i in range(1, 96):
+            mode, k = policy.decide(rounds)
+            drafting += bool(k)
+            rounds.append(rnd(i, mode, k, 0) if k else RoundStats(i, "off", 0, 0, 0, 1, 0.0, 0.01))
+        return drafting
+
+    fresh = speculative_rounds(DrafterRecord())
+    assert fresh <= 2 * len(modes) + 96 // PolicyConfig().probe_interval, fresh
+    prior = PolicyConfig().prior_acceptance
+    mature = DrafterRecord(trials={m: (prior, 1 - prior) for m in modes}, rounds=dict.fromkeys(modes, 100))
+    assert speculative_rounds(mature) >= 2 * fresh
 
 
 def test_good_draft_rises_to_k_max():
