@@ -140,7 +140,7 @@ class DrafterRecord:
         >>> r = DrafterRecord()
         >>> for _ in range(2):  # two rounds of 4 drafts, each rejected at the first
         ...     r.observe(RoundStats(1, "draft", 4, 4, 0, 1, 0.0, 0.0), 0.1, 0.6, False)
-        >>> round(r.acceptance("draft"), 2)  # (0.6 + 0 + 0) / 3 accepted per rejection; an EWMA: 0.49
+        >>> round(r.acceptance("draft"), 2)  # the prior's (0.6, 0.4) and two (0, 1): an EWMA gives 0.49
         0.2
     """
 
