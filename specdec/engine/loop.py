@@ -579,7 +579,9 @@ class StepLoop:
         cands = [self._candidate(live, cfg) for live in decode]
         # A lone row keeps its policy's k (the same costs, one request); a batch shares a step.
         ks = allocate(cands, self.costs, other) if len(cands) > 1 else [c.k_cap for c in cands]
-        if len(cands) > 1 and any(k and not c.fixed for c, k in zip(cands, ks)) and not self.guard.allow(len(cands)):
+        observed = len(decode) == len(lives)  # a step the guard observes (``_step``): no prompt in it
+        if len(cands) > 1 and any(k and not c.fixed for c, k in zip(cands, ks)) \
+                and not self.guard.allow(len(cands), explore=observed):
             ks = [c.k_cap if c.fixed else 0 for c in cands]  # speculating measurably loses at this load
         for live, c, k in zip(decode, cands, ks):
             stop = live.policy.stop_below(c.mode) if k and live.policy is not None else 0.0
