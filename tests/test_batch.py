@@ -197,9 +197,9 @@ def test_the_guard_vetoes_speculation_that_loses_under_load(llama_pair, monkeypa
     decisions = []  # (the guard knew both arms, it allowed speculation), per step it was asked
     allow = guard.allow
 
-    def recorded(rows, explore=True):
+    def recorded(rows, observed=True):
         knew = rows >= 2 and min(guard._seen.get((guard.bucket(rows), s), 0) for s in (True, False)) >= guard.min_samples
-        decisions.append((knew, allow(rows, explore)))
+        decisions.append((knew, allow(rows, observed)))
         return decisions[-1][1]
 
     monkeypatch.setattr(guard, "allow", recorded)
@@ -245,26 +245,26 @@ def test_the_guard_compares_steps_of_a_bucket_per_row():
 
 def test_the_guard_explores_only_on_steps_it_observes():
     """Once the guard knows speculation loses at a batch size, it runs the losing arm only on
-    every ``explore``-th step it will observe; a step with a prompt in it (``explore=False``,
+    every ``explore``-th step it will observe; a step with a prompt in it (``observed=False``,
     never observed) stays on the winning arm and does not count towards the next exploration.
     Such a step speculates only on evidence that speculating wins: not while the guard knows
     nothing, nor within its margin."""
     from specdec.engine.schedule import GoodputGuard
 
     guard = GoodputGuard(min_samples=2, explore=8)
-    assert guard.allow(8) and not guard.allow(8, explore=False)  # nothing known yet
+    assert guard.allow(8) and not guard.allow(8, observed=False)  # nothing known yet
     for _ in range(4):
         guard.observe(8, True, tokens=8, seconds=0.1)
         guard.observe(8, False, tokens=10, seconds=0.1)
-    assert not any(guard.allow(8, explore=False) for _ in range(100))
+    assert not any(guard.allow(8, observed=False) for _ in range(100))
     observed = [guard.allow(8) for _ in range(16)]
     assert observed.count(True) == 2 and observed[6] and observed[14], observed  # the control: it does explore
     for _ in range(40):  # speculating now within the margin (0.98 of plain): observed steps may, others not
         guard.observe(8, True, tokens=9.8, seconds=0.1)
-    assert guard.allow(8) and not guard.allow(8, explore=False)
+    assert guard.allow(8) and not guard.allow(8, observed=False)
     for _ in range(40):  # speculating wins
         guard.observe(8, True, tokens=12, seconds=0.1)
-    assert guard.allow(8, explore=False)
+    assert guard.allow(8, observed=False)
 
 
 # --- the step loop: exactness under batching ------------------------------------------------

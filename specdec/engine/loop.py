@@ -408,7 +408,7 @@ class StepLoop:
         started_at, began = time.time(), time.perf_counter()
         by_key = {lv.key: lv for lv in lives}
         decoding = all(lv.decoding for lv in lives)  # no prompt in this step: its goodput compares
-        plan = self._plan(lives)
+        plan = self._plan(lives, observed=decoding)
         plan, here = self._draft_in_loop(plan)
         planned = time.perf_counter()
         plan, result, errors = self._verify(plan)
@@ -553,8 +553,9 @@ class StepLoop:
 
     # --- plan ---------------------------------------------------------------------------------
 
-    def _plan(self, lives: list[_Live]) -> StepPlan:
-        """Prompt rows first (oldest first, under the token budget), then decode rows with their k."""
+    def _plan(self, lives: list[_Live], observed: bool) -> StepPlan:
+        """Prompt rows first (oldest first, under the token budget), then decode rows with their k.
+        ``observed``: no prompt is in the step, so the goodput guard will observe it."""
         decode = [lv for lv in lives if lv.decoding]
         budget = max(1, self.step_tokens - len(decode))
         rows, other = [], 0
@@ -579,9 +580,8 @@ class StepLoop:
         cands = [self._candidate(live, cfg) for live in decode]
         # A lone row keeps its policy's k (the same costs, one request); a batch shares a step.
         ks = allocate(cands, self.costs, other) if len(cands) > 1 else [c.k_cap for c in cands]
-        observed = len(decode) == len(lives)  # a step the guard observes (``_step``): no prompt in it
         if len(cands) > 1 and any(k and not c.fixed for c, k in zip(cands, ks)) \
-                and not self.guard.allow(len(cands), explore=observed):
+                and not self.guard.allow(len(cands), observed=observed):
             ks = [c.k_cap if c.fixed else 0 for c in cands]  # speculating measurably loses at this load
         for live, c, k in zip(decode, cands, ks):
             stop = live.policy.stop_below(c.mode) if k and live.policy is not None else 0.0

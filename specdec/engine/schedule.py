@@ -227,10 +227,10 @@ class GoodputGuard:
             self._rate[key] = rate if old is None else (1 - self.ewma) * old + self.ewma * rate
             self._seen[key] = self._seen.get(key, 0) + 1
 
-    def allow(self, rows: int, explore: bool = True) -> bool:
+    def allow(self, rows: int, observed: bool = True) -> bool:
         """May a step of ``rows`` decode rows speculate? (A lone row: always; its policy decides.)
 
-        ``explore``: the step is one the guard will observe (no prompt in it), so it may be the
+        ``observed``: the step is one the guard will observe (no prompt in it), so it may be the
         one that runs the other arm. A step with a prompt is never observed: exploring there
         would pay for the losing arm (a speculating step after a plain stretch catches every
         row's drafter up first: 64 ms on the demo pair at 8 rows) and learn nothing. Nor does
@@ -242,11 +242,11 @@ class GoodputGuard:
             return True
         b = self.bucket(rows)
         with self._lock:
-            step = self._steps.get(b, 0) + int(explore)
+            step = self._steps.get(b, 0) + int(observed)
             self._steps[b] = step
             spec, plain = self._rate.get((b, True)), self._rate.get((b, False))
             known = min(self._seen.get((b, True), 0), self._seen.get((b, False), 0)) >= self.min_samples
-        if not explore:
+        if not observed:
             return known and spec >= plain
         wins = not known or spec >= (1 - self.margin) * plain
         if step % (self.explore if known else 4) == 0:  # learn both arms quickly, then keep them fresh
