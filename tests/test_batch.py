@@ -195,14 +195,22 @@ def test_the_guard_vetoes_speculation_that_loses_under_load(llama_pair, monkeypa
                          SpeculationConfig(), kv_cache_tokens=8192, max_num_seqs=8)
     guard = engine.loop.guard = GoodputGuard(min_samples=4)
     decisions = []  # (the guard knew both arms, it allowed speculation), per step it was asked
-    allow = guard.allow
+    flags = []  # (the step had a prompt in it, the guard was told it will observe the step)
+    allow, plan = guard.allow, engine.loop._plan
+    prompted = [False]
 
     def recorded(rows, observed=True):
         knew = rows >= 2 and min(guard._seen.get((guard.bucket(rows), s), 0) for s in (True, False)) >= guard.min_samples
         decisions.append((knew, allow(rows, observed)))
+        flags.append((prompted[0], observed))
         return decisions[-1][1]
 
+    def planned(lives, *args, **kwargs):
+        prompted[0] = not all(lv.decoding for lv in lives)
+        return plan(lives, *args, **kwargs)
+
     monkeypatch.setattr(guard, "allow", recorded)
+    monkeypatch.setattr(engine.loop, "_plan", planned)
     propose = ModelDrafter.propose
 
     def slow(self, rows):
@@ -212,11 +220,17 @@ def test_the_guard_vetoes_speculation_that_loses_under_load(llama_pair, monkeypa
     monkeypatch.setattr(ModelDrafter, "propose", slow)
     monkeypatch.setattr(SpeculationPolicy, "_k", lambda self, index, cfg, idle=None: 3)
     monkeypatch.setattr(step_loop, "allocate", lambda cands, costs, other=0: [c.k_cap for c in cands])
-    ids = [engine.encode(prompt=p) for p in PROMPTS[:4]]
+    ids = [engine.encode(prompt=p) for p in PROMPTS[:5]]
     plain = [_solo(engine, i, 64) for i in ids]
-    handles = [engine.loop.submit(engine.request(i, max_tokens=64, mode="draft", ignore_eos=True)) for i in ids]
-    events = [list(h) for h in handles]
+    handles = [engine.loop.submit(engine.request(i, max_tokens=64, mode="draft", ignore_eos=True)) for i in ids[:4]]
+    leading = iter(handles[0])
+    first = [next(leading) for _ in range(3)]
+    # a prompt joins four decoding rows: the step that prefills it is not one the guard observes
+    handles.append(engine.loop.submit(engine.request(ids[4], max_tokens=64, mode="draft", ignore_eos=True)))
+    events = [first + list(handles[0])] + [list(h) for h in handles[1:]]
     assert [[t for e in ev for t in e.token_ids] for ev in events] == plain
+    assert (True, False) in flags and (False, True) in flags, flags
+    assert all(prompt != observed for prompt, observed in flags), flags
     spec, plain_rate = engine.loop.guard.state()[GoodputGuard.bucket(4)]
     assert spec < plain_rate, (spec, plain_rate)
     informed = [allowed for knew, allowed in decisions if knew]
