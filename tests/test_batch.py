@@ -281,6 +281,37 @@ def test_the_guard_explores_only_on_steps_it_observes():
     assert guard.allow(8, observed=False)
 
 
+
+def test_the_step_costs_price_decode_tokens_only(llama_pair):
+    """The unit's verify line is fitted on steps without a prompt: a prompt chunk's tokens cost
+    less each than a decode step's, and would make a draft token look cheap. Two plain requests
+    of 20-odd prompt tokens: every point it holds is a decode step's (1 or 2 tokens)."""
+    engine = Engine.load(ModelConfig(target=str(llama_pair["target"]), draft=str(llama_pair["draft"]), dtype="float32"),
+                         SpeculationConfig(), kv_cache_tokens=4096, max_num_seqs=4)
+    ids = [engine.encode(prompt=" ".join(PROMPTS[i: i + 5])) for i in (0, 5)]
+    assert min(len(i) for i in ids) > 8
+    handles = [engine.loop.submit(engine.request(i, max_tokens=12, mode="off", ignore_eos=True)) for i in ids]
+    [list(h) for h in handles]
+    engine.loop.close()
+    points = engine.costs._verify.means
+    assert points and set(points) <= {1, 2}, points
+
+def test_the_guard_learns_a_bucket_by_alternating_its_arms():
+    """A bucket it knows nothing of: its observed steps alternate, so it knows both arms after
+    ``2 * min_samples`` steps and has run the losing one (here speculation) in ``min_samples``
+    of them; from then on it runs it only to explore. (The former rule, three steps of
+    speculation for each plain one, paid 3 * min_samples losing steps to learn.)"""
+    from specdec.engine.schedule import GoodputGuard
+
+    guard = GoodputGuard(min_samples=8, explore=32)
+    arms = []
+    for _ in range(64):
+        spec = guard.allow(16)
+        arms.append(spec)
+        guard.observe(16, spec, tokens=16 * (0.8 if spec else 1.0), seconds=0.1)  # speculation loses 20%
+    assert arms[:16] == [True, False] * 8, arms
+    assert arms[16:].count(True) == 2 and arms[31] and arms[63], arms  # then every 32nd step explores
+
 # --- the step loop: exactness under batching ------------------------------------------------
 
 

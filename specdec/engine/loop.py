@@ -419,7 +419,7 @@ class StepLoop:
         for key in {**here.errors, **result.draft_errors}:
             by_key[key].draft_retry_at = len(by_key[key].rounds) + DRAFT_RETRY_ROUNDS
         costs = {**here.costs, **result.draft_costs}
-        self._observe_costs(plan, result, costs)
+        self._observe_costs(plan, result, costs, decoding)
         for row in plan.rows:  # what the target now holds, shared with later prompts (before any leaves)
             self._name_blocks(by_key[row.key], row.context)
         emitting = [r for r in plan.rows if r.emits]
@@ -716,8 +716,11 @@ class StepLoop:
         self._release = [(s, k) for s, k in self._release if s != side]
         return keys
 
-    def _observe_costs(self, plan: StepPlan, result: StepResult, costs: dict[str, tuple[float, int]]) -> None:
-        if result.tokens:
+    def _observe_costs(self, plan: StepPlan, result: StepResult, costs: dict[str, tuple[float, int]],
+                       decoding: bool) -> None:
+        """The step's costs into the unit's model: its pass only without a prompt in it (the
+        model prices decode rows' tokens, ``StepCosts.verify_s``), its drafting always."""
+        if result.tokens and decoding:
             self.costs.observe_verify(result.tokens, result.verify_s)
         for mode, (seconds, steps) in costs.items():
             rows = len(plan.drafting(mode))
