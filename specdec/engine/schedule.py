@@ -219,7 +219,7 @@ class GoodputGuard:
     all that speculation costs a batch. Its rows accept different numbers of drafts, so they
     finish at different steps: a wave of requests leaves thinner batches behind it, and the
     prompts that follow come in steps of their own (on the demo pair at 4 streams, speculating
-    steps delivered 1-2% more than plain ones per row, and the turns took 2-4% longer). Until it
+    steps delivered 0-3% more than plain ones per row, and the turns took 2-3% longer). Until it
     has ``min_samples`` of both in a bucket, its observed steps alternate between them (so it
     learns in ``2 * min_samples`` steps, and pays for at most half of them on a losing arm);
     then it keeps both estimates fresh: every ``explore``-th step of a bucket runs the arm it
