@@ -78,7 +78,7 @@ class StepCosts:
 
     ``verify_s(tokens)``: one target pass over that many tokens of decode rows (pending tokens
     and drafts; ``observe_verify`` is given only steps without a prompt in them: a prompt
-    chunk's tokens cost about half a decode step's each, 1.6 against 3-5 ms on the demo target
+    chunk's tokens cost about half a decode step's each, 1.6 against 3-7 ms on the demo target
     on a 2-core AMD EPYC with AVX2 only, and priced a draft token as if it were one);
     ``draft_step_s(mode, rows)``: one batched draft step over that many rows.
 
@@ -273,6 +273,7 @@ class GoodputGuard:
             self._steps[b] = step
             spec, plain = self._rate.get((b, True)), self._rate.get((b, False))
             known = min(self._seen.get((b, True), 0), self._seen.get((b, False), 0)) >= self.min_samples
+        # Nothing known yet: an observed step tries speculation (half of them, below); others stay plain.
         wins = spec >= (1 + self.margin) * plain if known else observed
         if not observed:
             return wins
