@@ -6,8 +6,9 @@ import argparse
 import json
 import logging
 import sys
+from typing import get_args
 
-from specdec.config import MODES
+from specdec.config import MODES, DType
 from specdec.plugins import register_commands
 from specdec.sampling import SamplingParams
 
@@ -156,9 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
-    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                     help="auto: bfloat16 where this machine has native bf16, else float32")
-    gen.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    gen.add_argument("--dtype", default="auto", choices=get_args(DType),
+                     help="auto: bfloat16 where this machine has native bf16, else float16-weights (x86) or float32")
+    gen.add_argument("--draft-dtype", default="auto", choices=get_args(DType))
     gen.add_argument("--early-exit-adapter", help="trained exit adapter (default: the demo's, if built)")
     gen.add_argument("--eagle-head", help="EAGLE head directory (default: the demo's)")
     gen.add_argument("--medusa-heads", help="Medusa heads directory (default: the demo's)")

@@ -12,7 +12,7 @@ from specdec import __version__
 Mode = Literal["auto", "draft", "draft_tree", "ngram", "early_exit", "eagle", "eagle_tree", "medusa",
                "medusa_tree", "off"]  # what a request or a config may ask for
 MODES: tuple[str, ...] = get_args(Mode)
-DType = Literal["auto", "float32", "bfloat16", "float16"]  # auto: specdec.hardware.resolve_dtype
+DType = Literal["auto", "float32", "bfloat16", "float16", "float16-weights"]  # auto: specdec.hardware.resolve_dtype
 
 
 class _Strict(BaseModel):
@@ -44,8 +44,10 @@ class ModelConfig(_Strict):
     dtype: DType = Field(
         "auto",
         description="Target dtype. auto: bfloat16 on a GPU and on a CPU with native bf16 instructions "
-        "(AVX-512 BF16, AMX), where a (k+1)-token verify pass costs about one step; float32 on other CPUs, "
-        "where bf16 is emulated and verifying k drafts costs nearly k steps. With numerics: fast, bf16 "
+        "(AVX-512 BF16, AMX), where a (k+1)-token verify pass costs about one step; on other x86 CPUs "
+        "float16-weights (float32 arithmetic on weights stored as float16: half the bytes a product reads), "
+        "where bf16 is emulated and verifying k drafts costs nearly k steps; float32 elsewhere. "
+        "float16-weights is a CPU format. With numerics: fast, bf16 "
         "rounds a (k+1)-token pass and single steps differently and greedy output can differ at near-ties.",
     )
     numerics: Literal["batch_invariant", "fast"] = Field(

@@ -70,21 +70,28 @@ def test_aliases_and_the_fingerprint():
 
 
 def test_dtype_auto_takes_bf16_only_where_it_is_native(monkeypatch):
+    """auto on a CPU: bf16 with native bf16 instructions; without them fp32 on fp16 weights where
+    FBGEMM's fp16 product runs, fp32 where it does not; on a GPU bf16."""
     import specdec.hardware as hardware
 
     assert ModelConfig(target="t").dtype == "auto"
     monkeypatch.setattr(hardware.torch.cuda, "is_available", lambda: False)
-    for flags, want in [({"avx2", "avx512f", "avx512_bf16"}, "bfloat16"), ({"avx2", "amx_bf16"}, "bfloat16"),
-                        ({"avx2", "avx512f"}, "float32"), (set(), "float32")]:
-        monkeypatch.setattr(hardware, "cpu_flags", lambda flags=flags: frozenset(flags))
-        assert resolve_dtype("auto", "auto") == want, flags
-        assert resolve_dtype("float16", "cpu") == "float16"  # an explicit dtype is kept
+    for half in (True, False):
+        monkeypatch.setattr(hardware, "half_available", lambda half=half: half)
+        without = "float16-weights" if half else "float32"
+        for flags, want in [({"avx2", "avx512f", "avx512_bf16"}, "bfloat16"), ({"avx2", "amx_bf16"}, "bfloat16"),
+                            ({"avx2", "avx512f"}, without), (set(), without)]:
+            monkeypatch.setattr(hardware, "cpu_flags", lambda flags=flags: frozenset(flags))
+            assert resolve_dtype("auto", "auto") == want, (flags, half)
+            assert resolve_dtype("float16", "cpu") == "float16"  # an explicit dtype is kept
+            assert resolve_dtype("float32", "cpu") == "float32"
     monkeypatch.setattr(hardware.torch.cuda, "is_bf16_supported", lambda: True)
     assert resolve_dtype("auto", "cuda") == "bfloat16"
     # this machine's answer agrees with its CPU flags
     monkeypatch.undo()
     native = hardware.native_bf16()
-    assert resolve_dtype("auto", "cpu") == ("bfloat16" if native else "float32")
+    assert resolve_dtype("auto", "cpu") == ("bfloat16" if native else "float16-weights" if hardware.half_available()
+                                            else "float32")
 
 
 def test_units_of_one_application_have_distinct_names():

@@ -3,6 +3,7 @@ do not depend on how many tokens its row carries or what else is in the step, so
 is the same with speculation on or off and alone or batched. The negative control: the fast
 numerics, where they are not invariant, give other logits for the same token."""
 
+import functools
 import threading
 
 import pytest
@@ -20,26 +21,27 @@ CAP = 128
 
 
 @pytest.fixture(scope="module", params=[(torch.bfloat16, False), (torch.float32, False), (torch.bfloat16, True),
-                                        (torch.float32, True)], ids=["bf16", "fp32", "bf16-packed", "fp32-packed"])
+                                        (torch.float32, True), (torch.float32, "half")],
+                ids=["bf16", "fp32", "bf16-packed", "fp32-packed", "fp32-half-weights"])
 def target(request):
     """Two layers with the demo target's attention shape (9 heads of 64, 3 key heads), random
     weights, in bf16 (a CPU with AVX-512 BF16 serves it so) and fp32 (``dtype: auto`` on one
     without): the shape at which kernels round other query counts differently. Packed: its
     linear layers on prepacked weights, as ``load_model`` serves a model on a CPU (other kernels,
-    other rounding: ``specdec.models.packed``)."""
+    other rounding: ``specdec.models.packed``); half: on fp16 weights (``dtype: float16-weights``)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from specdec.models.packed import available, pack_linears
+    from specdec.models.packed import available, half_available, pack_linears
 
     dtype, pack = request.param
-    if pack and not available(dtype):
-        pytest.skip(f"no packed {dtype} products on this machine")
+    if pack and not available(dtype) or pack == "half" and not half_available():
+        pytest.skip(f"no packed {dtype} products {'on half weights ' if pack == 'half' else ''}on this machine")
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=9,
                       num_key_value_heads=3, vocab_size=512, max_position_embeddings=1024, initializer_range=0.1)
     model = LlamaForCausalLM(cfg).to(dtype).eval()
     if pack:
-        assert pack_linears(model) == 2 * 7 + 1  # q, k, v, o, gate, up, down a layer; the LM head
+        assert pack_linears(model, half=pack == "half") == 2 * 7 + 1  # q, k, v, o, gate, up, down a layer; the LM head
     return model
 
 
@@ -92,10 +94,10 @@ def test_negative_control_the_fast_numerics_are_not_invariant(target):
     assert not all(torch.equal(logits, got["plain"]) for logits in got.values())
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float16-weights"])
 def test_greedy_output_alone_batched_and_speculative(llama_pair, dtype):
     """Eight greedy requests of mixed modes and lengths, at once, each equal to its prompt alone
-    with speculation off, in bf16 and fp32 (the tiny pair's heads are too narrow to round
+    with speculation off, in bf16, fp32 and fp32 on fp16 weights (the tiny pair's heads are too narrow to round
     differently here even with fast numerics: the logit-level control above is the one that
     must fail)."""
     engine = Engine.load(ModelConfig(target=str(llama_pair["target"]), draft=str(llama_pair["draft"]),
@@ -156,22 +158,39 @@ def test_steps_are_padded_onto_the_row_counts_that_round_alike(target, monkeypat
 
 def test_the_probed_row_counts_round_as_a_large_batch():
     """What the probe reports, checked on other weights and inputs: every count it calls agreeing
-    gives a 300-row product's rows bitwise (fp32 and bf16, the demo target's shapes)."""
+    gives a 800-row product's rows bitwise, at two offsets (fp32 and bf16 ``F.linear``, and fp32
+    products on half weights where this CPU has them, the demo target's shapes; on half weights
+    the probe covers the grid's counts to WIDE_ROWS). Where it calls a count of half weights
+    disagreeing, that count gives some other rows here too: the probe is not vacuous."""
     import torch.nn.functional as F
 
     from specdec.batch import numerics
+    from specdec.models import packed
 
     gen = torch.Generator().manual_seed(1)
-    for dtype in (torch.float32, torch.bfloat16):
-        shapes = (("linear", 576, 1536), ("linear", 1536, 576))
+    cases = [(dtype, "linear") for dtype in (torch.float32, torch.bfloat16)]
+    if packed.half_available():
+        cases.append((torch.float32, "packed16"))
+    for dtype, op in cases:
+        shapes = ((op, 576, 1536), (op, 1536, 576))
         agreeing = numerics.agreeing_counts(shapes, dtype, "cpu")
-        assert agreeing and max(agreeing) == numerics.PROBE_ROWS
+        top = numerics.WIDE_ROWS if op == "packed16" else numerics.PROBE_ROWS
+        assert agreeing and max(agreeing) <= numerics.WIDE_ROWS
         for _, n_in, n_out in shapes:
             w = torch.randn(n_out, n_in, generator=gen).to(dtype)
-            x = torch.randn(300, n_in, generator=gen).to(dtype)
-            ref = F.linear(x, w)
-            for m in agreeing:
-                assert torch.equal(F.linear(x[:m], w), ref[:m]), (dtype, m)
+            x = torch.randn(800, n_in, generator=gen).to(dtype)
+            product = functools.partial(F.linear, weight=w) if op == "linear" else \
+                functools.partial(packed.linear, packed=packed.pack(w, half=True), bias=None)
+            with torch.inference_mode():
+                ref = product(x)
+                for m in agreeing:
+                    if m <= top:
+                        assert all(torch.equal(product(x[s: s + m]), ref[s: s + m]) for s in (0, 5)), (dtype, op, m)
+                if op == "packed16":
+                    grid = sorted({numerics.on_grid(n) for n in range(1, top + 1)})
+                    odd = [m for m in grid if m not in agreeing]
+                    assert odd and all(any(not torch.equal(product(x[s: s + m]), ref[s: s + m]) for s in range(0, 32, 1))
+                                       for m in odd[:3]), odd
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

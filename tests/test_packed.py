@@ -67,6 +67,38 @@ def test_load_model_serves_packed_layers(llama_pair):
     assert kinds == ({"PackedLinear"} if packed.available(torch.float32) else {"Linear"})
 
 
+
+def test_half_weights_are_the_models_weights_rounded_to_fp16(llama_pair):
+    """``dtype: float16-weights``: every linear layer's weight is rounded to fp16 in place (a tied
+    embedding reads the rounded values too) and its products equal ``F.linear`` on those weights
+    to fp32 rounding, at one and many rows; ``dtype_name`` says which format was served; a copy
+    repacks on half weights."""
+    import copy
+
+    from specdec.loading import dtype_name, load_model
+
+    if not packed.half_available():
+        pytest.skip("no FBGEMM fp16 products on this machine")
+    exact = load_model(str(llama_pair["target"]), "float32")
+    model = load_model(str(llama_pair["target"]), "float16-weights")
+    assert dtype_name(model) == "float16-weights" and dtype_name(exact) == "float32"
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert layers and all(isinstance(m, packed.PackedLinear) and m.half for m in layers)
+    originals = dict(exact.named_parameters())
+    for name, p in model.named_parameters():
+        if name.endswith(".weight") and p.dim() == 2 and name in originals:
+            assert torch.equal(p, originals[name].half().float()), name
+    if model.config.tie_word_embeddings:
+        assert model.get_input_embeddings().weight is model.get_output_embeddings().weight
+    for layer in (layers[0], layers[-1], copy.deepcopy(layers[-1])):
+        for rows in (1, 5, 33):
+            x = torch.randn(rows, layer.in_features)
+            with torch.inference_mode():
+                got = layer(x)
+            torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="CPU format"):
+        load_model(str(llama_pair["target"]), "float16-weights", device="cuda")
+
 def test_a_copy_repacks():
     import copy
     import pickle

@@ -19,9 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import dataclass, field
+from typing import get_args
 
 from specdec.bench.progress import add_progress_argument
 from specdec.bench.workloads import WORKLOADS
+from specdec.config import DType
 
 PRESETS = {
     "quick": {"prompts": 1, "repeats": 2, "max_tokens": 40, "ks": (4,), "cost_reps": 15,
@@ -29,7 +31,7 @@ PRESETS = {
     "full": {"prompts": 2, "repeats": 2, "max_tokens": 64, "ks": (2, 4, 6), "cost_reps": 25,
              "requests_per_stream": 2},
 }
-DTYPES = ["auto", "float32", "bfloat16", "float16"]  # auto: specdec.hardware.resolve_dtype
+DTYPES = list(get_args(DType))  # auto: specdec.hardware.resolve_dtype
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -67,7 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--draft", help="draft model path or id (default: the demo or tiny draft)")
     m.add_argument("--tiny", action="store_true", help="use the tiny Llama pair (built and cached)")
     m.add_argument("--dtype", default="auto", choices=DTYPES,
-                   help="target dtype (auto: bfloat16 where this machine has native bf16, else float32)")
+                   help="target dtype (auto: bfloat16 where this machine has native bf16, "
+                        "else float16-weights on x86, else float32)")
     m.add_argument("--draft-dtype", default="float32", choices=DTYPES)
     m.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice; 1 with --tiny)")
     r = p.add_argument_group("what to run")

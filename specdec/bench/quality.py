@@ -158,7 +158,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", help="with --url: a key for a server with auth")
     p.add_argument("--target", help="target model (default: the demo pair)")
     p.add_argument("--draft", help="draft model (default: the demo pair)")
-    p.add_argument("--dtype", default="auto", help="auto: bfloat16 where this machine has native bf16, else float32")
+    p.add_argument("--dtype", default="auto",
+                   help="auto: bfloat16 where this machine has native bf16, "
+                        "else float16-weights (x86) or float32")
     p.add_argument("--modes", help="comma-separated (default: every mode the model offers, and auto)")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--numerics", choices=["batch_invariant", "fast"], default="batch_invariant",

@@ -36,6 +36,7 @@ from specdec.bench.costs import WARMUP_REPS, measure_costs
 from specdec.bench.inproc import RunResult, peak_rss_mb, run_hf, run_ours
 from specdec.bench.options import BenchOptions
 from specdec.bench.progress import QUIET, SILENT, Phase, Progress
+from specdec.loading import dtype_name
 from specdec.bench.report import (
     format_concurrency,
     format_table,
@@ -302,7 +303,7 @@ def _report(bench: Bench, opts: BenchOptions, started: float, prompts: list[Prom
         "elapsed_s": time.perf_counter() - started,
         "options": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(opts).items()},
         "models": {"target": bench.target_path, "draft": bench.draft_path, "dtype": opts.dtype,
-                   "dtype_used": str(bench.engine.target_model.dtype).removeprefix("torch."),
+                   "dtype_used": dtype_name(bench.engine.target_model),
                    "draft_dtype": opts.draft_dtype, "drafters": sorted(bench.engine.drafters),
                    "policy": policy.model_dump() if hasattr(policy, "model_dump") else None},
         "machine": {"cpus": os.cpu_count(), "torch_threads": compute.run(torch.get_num_threads),

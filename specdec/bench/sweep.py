@@ -277,7 +277,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="SmolLM2-135M-Instruct", help="served model name (with --url)")
     p.add_argument("--target", help="target model (default: the demo pair)")
     p.add_argument("--draft", help="draft model (default: the demo pair)")
-    p.add_argument("--dtype", default="auto", help="auto: bfloat16 where this machine has native bf16, else float32")
+    p.add_argument("--dtype", default="auto",
+                   help="auto: bfloat16 where this machine has native bf16, "
+                        "else float16-weights (x86) or float32")
     p.add_argument("--modes", default="off,auto")
     p.add_argument("--numerics", default="batch_invariant",
                    help="the target's numerics, comma-separated to compare them in process (batch_invariant,fast)")

@@ -26,6 +26,16 @@ demo target's shapes that takes 30 layers' products from 15.7 to 12.9 ms at one 
 to 14.7 ms at eight (2-core AMD EPYC, AVX-512 BF16, cold weights), and each part equals its own
 product bit for bit there (bf16 and fp32, 1 to 130 rows), so fusing changes no number.
 
+**Half weights** (``pack_linears(model, half=True)``, what ``dtype: float16-weights`` serves): an fp32
+model's weights are rounded to fp16 and packed for FBGEMM's fp16 product
+(``torch.ops.quantized.linear_prepack_fp16``), which widens them to fp32 as it reads them and
+computes in fp32: a weight-only format that halves the bytes each product reads. The layers'
+weights are rounded to fp16 in place, so the model served is the one with those weights
+everywhere (``F.linear``'s paths below, a tied embedding), its products equal to ``F.linear``'s
+to fp32 rounding. The demo target's products per step, on a 2-core AMD EPYC with AVX2 only (no
+native bf16), against the fp32 packed ones: 8.3-9.0 ms against 15.8-18.2 at one row, 10.2-10.3
+against 20.9 at four, 18.1-20.0 against 26.6-27.1 at eight, 35.7-45.0 against 45.4-48.2 at 20.
+
 The original weight stays (tied embeddings read it, training updates it): a packed layer holds
 its weight twice. A packed layer computes with ``F.linear`` where autograd is recording (the
 packed op has no derivative: a frozen target's LM head under a trained head's loss), and
@@ -42,6 +52,8 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from specdec.hardware import half_available
+
 _STOCK = threading.local()
 
 
@@ -55,14 +67,19 @@ def available(dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """[out, in] -> oneDNN's blocked layout for ``linear``."""
+def pack(weight: torch.Tensor, half: bool = False):
+    """[out, in] -> oneDNN's blocked layout for ``linear``; ``half``: FBGEMM's packed fp16 weight."""
+    if half:
+        return torch.ops.quantized.linear_prepack_fp16(weight.detach().float(), None)
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear`` on a packed weight: x [..., in] -> [..., out]."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+def linear(x: torch.Tensor, packed, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` on a packed weight (either kind ``pack`` makes): x [..., in] -> [..., out]."""
+    if isinstance(packed, torch.Tensor):
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    out = torch.ops.quantized.linear_dynamic_fp16(x, packed)
+    return out if bias is None else out.add_(bias)
 
 
 def _version(weight: torch.Tensor) -> int:
@@ -110,7 +127,7 @@ class Siblings:
         if versions != self._versions:  # a member's weight was written: stack and pack again
             weight = torch.cat([m.weight.detach() for m in self.members])
             bias = None if self.members[0].bias is None else torch.cat([m.bias.detach() for m in self.members])
-            self._packed, self._bias, self._versions = pack(weight), bias, versions
+            self._packed, self._bias, self._versions = pack(weight, self.members[0].half), bias, versions
         return list(linear(x, self._packed, self._bias).split(self.sizes, dim=-1))
 
     def part(self, member: "PackedLinear", x: torch.Tensor) -> torch.Tensor:
@@ -130,9 +147,10 @@ class PackedLinear(torch.nn.Linear):
     """An ``nn.Linear`` whose forward uses its weight packed (``pack_linears`` makes them)."""
 
     siblings: Siblings | None = None  # the fused product it is part of (``fuse_siblings``)
+    half = False  # its weight packed as fp16 (an fp32 layer: ``pack_linears(half=True)``)
 
     def _repack(self) -> None:
-        self._packed = pack(self.weight)
+        self._packed = pack(self.weight, self.half)
         self._packed_version = _version(self.weight)
 
     def __getstate__(self):
@@ -157,13 +175,20 @@ class PackedLinear(torch.nn.Linear):
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-def pack_linears(model: torch.nn.Module) -> int:
+def pack_linears(model: torch.nn.Module, half: bool = False) -> int:
     """Pack every ``nn.Linear`` of a CPU model whose dtype packs here, and fuse their siblings
-    (``fuse_siblings``); how many were packed."""
+    (``fuse_siblings``); how many were packed. ``half``: an fp32 model's weights as fp16
+    (``half_available``; the module docstring)."""
+    if half and not half_available():
+        raise ValueError("fp16 weights need FBGEMM's fp16 product (an x86 CPU with AVX2); "
+                         "serve this model in float32 instead")
     count = 0
     for module in model.modules():
         if type(module) is torch.nn.Linear and module.weight.device.type == "cpu" and available(module.weight.dtype):
             module.__class__ = PackedLinear
+            module.half = half and module.weight.dtype == torch.float32
+            if module.half:  # the model served has these weights: F.linear and a tied embedding read them too
+                module.weight.data = module.weight.data.to(torch.float16).to(torch.float32)
             module._repack()
             count += 1
     fuse_siblings(model)
@@ -181,7 +206,7 @@ def fuse_siblings(model: torch.nn.Module) -> int:
                 continue
             first = members[0]
             if any(m.in_features != first.in_features or m.weight.dtype != first.weight.dtype
-                   or (m.bias is None) != (first.bias is None) for m in members):
+                   or (m.bias is None) != (first.bias is None) or m.half != first.half for m in members):
                 continue
             fused = Siblings(members)
             for m in members:
