@@ -68,8 +68,7 @@ def agreeing_counts(shapes: tuple[tuple[str, int, int], ...], dtype: torch.dtype
     probed on half weights only (``packed16``; others are taken to agree there), two windows
     each."""
     gen = torch.Generator().manual_seed(0)
-    wide = [m for m in sorted({on_grid(n) for n in range(PROBE_ROWS + 1, WIDE_ROWS + 1)})]
-    good = set(range(1, PROBE_ROWS + 1)) | set(wide)
+    good = set(range(1, PROBE_ROWS + 1)) | {on_grid(n) for n in range(PROBE_ROWS + 1, WIDE_ROWS + 1)}
     for op, n_in, n_out in shapes:
         n_out = min(n_out, PROBE_MAX_OUT)
         counts = [m for m in good if m <= PROBE_ROWS or op == "packed16"]

@@ -36,7 +36,6 @@ from specdec.bench.costs import WARMUP_REPS, measure_costs
 from specdec.bench.inproc import RunResult, peak_rss_mb, run_hf, run_ours
 from specdec.bench.options import BenchOptions
 from specdec.bench.progress import QUIET, SILENT, Phase, Progress
-from specdec.loading import dtype_name
 from specdec.bench.report import (
     format_concurrency,
     format_table,
@@ -46,6 +45,7 @@ from specdec.bench.report import (
     targets,
 )
 from specdec.bench.workloads import Prompt, build_prompts, stdlib_code_files
+from specdec.loading import dtype_name
 from specdec.paths import specdec_home
 
 log = logging.getLogger(__name__)
