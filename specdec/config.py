@@ -13,6 +13,9 @@ Mode = Literal["auto", "draft", "draft_tree", "ngram", "early_exit", "eagle", "e
                "medusa_tree", "off"]  # what a request or a config may ask for
 MODES: tuple[str, ...] = get_args(Mode)
 DType = Literal["auto", "float32", "bfloat16", "float16", "float16-weights"]  # auto: specdec.hardware.resolve_dtype
+# A head on the target's features (EAGLE, Medusa): auto runs it in the target's torch dtype; float16-weights is
+# a model's format (``specdec.loading.load_model``), not one a head's loader packs.
+HeadDType = Literal["auto", "float32", "bfloat16", "float16"]
 
 
 class _Strict(BaseModel):
@@ -74,7 +77,7 @@ class ModelConfig(_Strict):
         "layout loads too). Enables mode 'eagle': a one-layer head drafts from the target's own last "
         "hidden states, kept by the verify pass, so it costs no second model and no extra target pass.",
     )
-    eagle_dtype: DType = Field(
+    eagle_dtype: HeadDType = Field(
         "auto", description="EAGLE head dtype. auto: the target's (its matrices are read from memory every "
         "draft step, and bf16 halves that where the target runs in bf16: a demo head's draft step cost about 30% "
         "less on a 2-core AVX-512 BF16 CPU); the head's numerics never change the output.")
@@ -85,7 +88,7 @@ class ModelConfig(_Strict):
         "guess the next tokens all at once (a chain, or a token tree), so one batched head pass drafts "
         "every row: no second model, no extra target pass; weaker the further out a head looks.",
     )
-    medusa_dtype: DType = Field("auto", description="Medusa heads dtype. auto: the target's (as eagle_dtype).")
+    medusa_dtype: HeadDType = Field("auto", description="Medusa heads dtype. auto: the target's (as eagle_dtype).")
     early_exit_layer: int | None = Field(
         None,
         ge=1,

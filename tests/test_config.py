@@ -92,6 +92,11 @@ def test_dtype_auto_takes_bf16_only_where_it_is_native(monkeypatch):
     native = hardware.native_bf16()
     assert resolve_dtype("auto", "cpu") == ("bfloat16" if native else "float16-weights" if hardware.half_available()
                                             else "float32")
+    # a model's format, for the target and the draft; a head's loader does not pack it: refused at the edge
+    assert ModelConfig(target="t", dtype="float16-weights", draft_dtype="float16-weights").dtype == "float16-weights"
+    for head in ("eagle_dtype", "medusa_dtype"):
+        with pytest.raises(ValidationError, match=head):
+            ModelConfig(target="t", **{head: "float16-weights"})
 
 
 def test_units_of_one_application_have_distinct_names():
