@@ -80,7 +80,8 @@ class ModelConfig(_Strict):
     eagle_dtype: HeadDType = Field(
         "auto", description="EAGLE head dtype. auto: the target's (its matrices are read from memory every "
         "draft step, and bf16 halves that where the target runs in bf16: a demo head's draft step cost about 30% "
-        "less on a 2-core AVX-512 BF16 CPU); the head's numerics never change the output.")
+        "less on a 2-core AVX-512 BF16 CPU), on fp16 weights where the target is float16-weights (4.06 -> "
+        "2.39 ms a demo draft token on a 2-core AVX2-only EPYC); the head's numerics never change the output.")
     medusa_heads: str | None = Field(
         None,
         description="A Medusa heads directory (`specdec demo-models` writes demo/medusa; Medusa-1's released "

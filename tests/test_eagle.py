@@ -82,6 +82,39 @@ def test_greedy_equals_plain_decoding(engine, k):
     assert accepted > 50, accepted
 
 
+def test_a_float16_weights_target_runs_its_head_on_fp16_weights_and_stays_exact(trained):
+    """``eagle_dtype: auto`` follows a ``float16-weights`` target: every product of the head, its
+    rows of the target's LM head too, on fp16 weights (a draft step reads half the bytes); its
+    logits are the matmul's on those weights to fp32 rounding, and greedy output is still plain
+    decoding's, with drafts accepted. ``eagle_dtype: float32`` keeps the head's fp32 weights."""
+    from specdec.models import packed
+
+    if not packed.half_available():
+        pytest.skip("no FBGEMM fp16 products on this machine")
+    target, head_dir = str(trained["paths"]["target"]), str(trained["head_dir"])
+    engine = Engine.load(ModelConfig(target=target, dtype="float16-weights", eagle_head=head_dir),
+                         SpeculationConfig(mode="eagle", num_speculative_tokens=3), kv_cache_tokens=4096)
+    head = engine.loop.target.drafters["eagle"].head
+    layers = [m for m in head.modules() if isinstance(m, torch.nn.Linear)]
+    assert layers and all(isinstance(m, packed.PackedLinear) and m.half for m in layers) and head.rows.half
+    features = torch.randn(1, 5, head.config.hidden_size)
+    with torch.inference_mode():
+        got = head.reduced_logits(features)
+    assert head.rows._packed is not None  # the packed product ran
+    torch.testing.assert_close(got, features @ head.head_weight.T, rtol=1e-5, atol=1e-5)
+    accepted = 0
+    for prompt in PROMPTS[:4]:
+        ids = engine.encode(prompt=prompt)
+        plain = engine.generate(ids, max_tokens=24, mode="off", ignore_eos=True)
+        spec = engine.generate(ids, max_tokens=24, mode="eagle", k=3, ignore_eos=True)
+        assert spec.token_ids == plain.token_ids, prompt
+        accepted += spec.speculation.accepted_tokens
+    assert accepted > 0
+    fp32 = Engine.load(ModelConfig(target=target, dtype="float16-weights", eagle_head=head_dir, eagle_dtype="float32"),
+                       SpeculationConfig(mode="eagle"), kv_cache_tokens=1024).loop.target.drafters["eagle"].head
+    assert not fp32.rows.half and not any(isinstance(m, packed.PackedLinear) and m.half for m in fp32.modules())
+
+
 @pytest.mark.parametrize("nodes,width,k", [(8, 2, 3), (16, 4, 5), (16, 8, 8)])
 def test_eagle_tree_greedy_equals_plain_decoding(engine, nodes, width, k):
     """EAGLE-2-style dynamic trees from the head: the same tokens, longer accepted paths; a deep

@@ -236,6 +236,29 @@ def test_greedy_chains_equal_plain_decoding(engine, k):
     assert accepted > 40, accepted
 
 
+def test_a_float16_weights_target_runs_its_heads_on_fp16_weights_and_stays_exact(trained):
+    """``medusa_dtype: auto`` follows a ``float16-weights`` target: the heads' products and their
+    rows of the target's LM head on fp16 weights; greedy chains are still plain decoding's."""
+    from specdec.models import packed
+
+    if not packed.half_available():
+        pytest.skip("no FBGEMM fp16 products on this machine")
+    engine = Engine.load(ModelConfig(target=str(trained["paths"]["target"]), dtype="float16-weights",
+                                     medusa_heads=str(trained["dir"])),
+                         SpeculationConfig(mode="medusa", num_speculative_tokens=3), kv_cache_tokens=4096)
+    heads = engine.loop.target.drafters["medusa"].heads
+    layers = [m for m in heads.modules() if isinstance(m, torch.nn.Linear)]
+    assert layers and all(isinstance(m, packed.PackedLinear) and m.half for m in layers) and heads.rows.half
+    accepted = 0
+    for prompt in PROMPTS[:4]:
+        ids = engine.encode(prompt=prompt)
+        plain = engine.generate(ids, max_tokens=24, mode="off", ignore_eos=True)
+        spec = engine.generate(ids, max_tokens=24, mode="medusa", k=3, ignore_eos=True)
+        assert spec.token_ids == plain.token_ids, prompt
+        accepted += spec.speculation.accepted_tokens
+    assert accepted > 0 and heads.rows._packed is not None
+
+
 def test_medusa_in_a_batch_with_other_modes_and_auto(engine):
     """Rows of every mode share steps; each gets its plain tokens; auto may choose medusa."""
     import threading

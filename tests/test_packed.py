@@ -99,6 +99,32 @@ def test_half_weights_are_the_models_weights_rounded_to_fp16(llama_pair):
     with pytest.raises(ValueError, match="CPU format"):
         load_model(str(llama_pair["target"]), "float16-weights", device="cuda")
 
+@pytest.mark.parametrize("half", [False, True])
+def test_packed_rows_are_the_matmul_and_repack_when_the_weight_changes(half):
+    """``PackedRows`` (a head's rows of the target's LM head): ``x @ w.T`` on the packed weight,
+    to fp32 rounding; packed again when the weight is written or another is passed; the matmul
+    where autograd records (a head in training), and in a copy, which repacks."""
+    import copy
+
+    if not (packed.half_available() if half else packed.available(torch.float32)):
+        pytest.skip("no such packed products on this machine")
+    w = torch.randn(300, 64)
+    w = w.half().float() if half else w
+    rows, x = packed.PackedRows(half), torch.randn(1, 5, 64)
+    with torch.inference_mode():
+        torch.testing.assert_close(rows(x, w), x @ w.T, rtol=1e-5, atol=1e-5)
+        first = rows._packed
+        assert first is not None
+        w.mul_(2)
+        torch.testing.assert_close(rows(x, w), x @ w.T, rtol=1e-5, atol=1e-5)
+        other = torch.randn(7, 64).half().float()
+        torch.testing.assert_close(rows(x, other), x @ other.T, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(copy.deepcopy(rows)(x, w), x @ w.T, rtol=1e-5, atol=1e-5)
+    x.requires_grad_(True)
+    rows(x, w).sum().backward()
+    torch.testing.assert_close(x.grad, w.sum(0).expand(1, 5, 64))
+
+
 def test_a_copy_repacks():
     import copy
     import pickle

@@ -147,10 +147,16 @@ def test_a_head_on_the_targets_features_runs_in_the_targets_dtype(llama_pair):
     from specdec.batch.runner import BatchRunner
     from specdec.loading import load_model
 
+    from specdec.models import packed
+
     for dtype in (torch.float32, torch.bfloat16):
         runner = BatchRunner(load_model(str(llama_pair["target"]), "float32").to(dtype), capacity_tokens=64)
-        assert _head_dtype("auto", runner) == dtype
-        assert _head_dtype("float32", runner) == torch.float32
+        assert _head_dtype("auto", runner) == {"dtype": dtype, "half": False}
+        assert _head_dtype("float32", runner) == {"dtype": torch.float32}
+    if packed.half_available():  # a float16-weights target: its heads on fp16 weights too, unless told
+        runner = BatchRunner(load_model(str(llama_pair["target"]), "float16-weights"), capacity_tokens=64)
+        assert _head_dtype("auto", runner) == {"dtype": torch.float32, "half": True}
+        assert _head_dtype("float32", runner) == {"dtype": torch.float32}
     assert ModelConfig(target="t").eagle_dtype == "auto" and ModelConfig(target="t").medusa_dtype == "auto"
 
 

@@ -27,7 +27,8 @@ from specdec.drafters.early_exit import EarlyExitDrafter, exit_parts
 from specdec.drafters.medusa import MedusaDrafter
 from specdec.drafters.model import ModelDrafter
 from specdec.drafters.ngram import NgramDrafter
-from specdec.loading import DTYPES, load_model
+from specdec.hardware import HALF_WEIGHTS
+from specdec.loading import DTYPES, dtype_name, load_model
 from specdec.models.eagle import load_eagle_head
 from specdec.models.medusa import load_medusa_heads
 
@@ -65,19 +66,22 @@ def _early_exit(models: ModelConfig, spec: SpeculationConfig, target: BatchRunne
     return EarlyExitDrafter(target, stack, head, spec.early_exit_threshold)
 
 
-def _head_dtype(dtype: str, target: BatchRunner) -> torch.dtype:
-    """A head on the target's features: ``auto`` runs it in the target's dtype."""
-    return next(target.model.parameters()).dtype if dtype == "auto" else DTYPES[dtype]
+def _head_dtype(dtype: str, target: BatchRunner) -> dict:
+    """A head on the target's features: ``auto`` runs it in the target's dtype, on fp16 weights
+    where the target's are (``float16-weights``). The loaders' ``dtype`` and ``half``."""
+    if dtype != "auto":
+        return {"dtype": DTYPES[dtype]}
+    return {"dtype": next(target.model.parameters()).dtype, "half": dtype_name(target.model) == HALF_WEIGHTS}
 
 
 def _eagle(models: ModelConfig, spec: SpeculationConfig, target: BatchRunner, capacity: int) -> EagleDrafter:
-    head = load_eagle_head(models.eagle_head, target.model, _head_dtype(models.eagle_dtype, target))
+    head = load_eagle_head(models.eagle_head, target.model, **_head_dtype(models.eagle_dtype, target))
     return EagleDrafter(target, head, spec.tree_width)
 
 
 def _medusa(models: ModelConfig, spec: SpeculationConfig, target: BatchRunner, capacity: int) -> MedusaDrafter:
     return MedusaDrafter(target, load_medusa_heads(models.medusa_heads, target.model,
-                                                     _head_dtype(models.medusa_dtype, target)),
+                                                     **_head_dtype(models.medusa_dtype, target)),
                          spec.tree_width)
 
 

@@ -42,7 +42,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMS
 
 from specdec.loading import load_weights
 from specdec.models.files import EAGLE_FORMAT, EAGLE_MARKER, EAGLE_VERSION, EAGLE_WEIGHTS
-from specdec.models.packed import pack_linears
+from specdec.models.packed import PackedRows, pack_linears
 
 
 def final_norm(model: nn.Module) -> nn.Module:
@@ -92,6 +92,7 @@ class EagleHead(nn.Module):
         self.register_buffer("token_ids", torch.arange(head_vocab_size, dtype=torch.long))
         self.register_buffer("head_weight", torch.zeros(head_vocab_size, d), persistent=False)
         self._embed: tuple[nn.Module] | None = None  # the target's, not a submodule: never saved
+        self.rows = PackedRows()  # the product with ``head_weight``: packed, as the layers' are
         self.input_norm, self.output_norm = input_norm, output_norm
 
     @property
@@ -128,7 +129,7 @@ class EagleHead(nn.Module):
 
     def reduced_logits(self, features: torch.Tensor) -> torch.Tensor:
         """[.., H]: column j scores token ``token_ids[j]``."""
-        return features.to(self.head_weight.dtype) @ self.head_weight.T
+        return self.rows(features.to(self.head_weight.dtype), self.head_weight)
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         small = self.reduced_logits(features).float()
@@ -156,9 +157,10 @@ def is_eagle_dir(path) -> bool:
     return (path / EAGLE_MARKER).is_file() or _is_eagle1_dir(path)
 
 
-def load_eagle_head(path, target: nn.Module, dtype: torch.dtype = torch.float32) -> EagleHead:
+def load_eagle_head(path, target: nn.Module, dtype: torch.dtype = torch.float32, half: bool = False) -> EagleHead:
     """A head directory (ours or EAGLE-1's released layout; a Hugging Face repo id is
-    downloaded first), bound to ``target``, in eval mode."""
+    downloaded first), bound to ``target``, in eval mode; ``half``: its products on fp16 weights
+    (``specdec.models.packed``), as a ``float16-weights`` target's are."""
     path = Path(path)
     if not path.exists() and "/" in str(path) and not str(path).startswith(("/", ".")):
         from huggingface_hub import snapshot_download
@@ -186,7 +188,8 @@ def load_eagle_head(path, target: nn.Module, dtype: torch.dtype = torch.float32)
                          f"{target.config.vocab_size}")
     head = head.to(dtype=dtype, device=next(target.parameters()).device)
     head = head.bind_target(target).eval()
-    pack_linears(head)
+    pack_linears(head, half=half)
+    head.rows.half = half
     return head
 
 

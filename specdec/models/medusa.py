@@ -44,7 +44,7 @@ from torch import nn
 
 from specdec.loading import load_weights
 from specdec.models.files import MEDUSA_FORMAT, MEDUSA_MARKER, MEDUSA_VERSION, MEDUSA_WEIGHTS
-from specdec.models.packed import pack_linears
+from specdec.models.packed import PackedRows, pack_linears
 
 
 class ResBlock(nn.Module):
@@ -85,6 +85,7 @@ class MedusaHeads(nn.Module):
         h = vocab_size if own_heads or head_vocab_size is None else head_vocab_size
         self.register_buffer("token_ids", torch.arange(h, dtype=torch.long))
         self.register_buffer("head_weight", torch.zeros(h if not own_heads else 0, d), persistent=False)
+        self.rows = PackedRows()  # the product with ``head_weight``: packed, as the layers' are
 
     @property
     def dtype(self) -> torch.dtype:
@@ -121,7 +122,7 @@ class MedusaHeads(nn.Module):
             x = features.to(self.dtype)
             return torch.stack([head(x) for head in self.heads], -2)
         assert self.head_weight.shape[0] == len(self.token_ids), "bind_target first"
-        return self.hidden(features) @ self.head_weight.T
+        return self.rows(self.hidden(features), self.head_weight)
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """[N, d] -> [N, K, V] float32; ``-inf`` outside ``token_ids``."""
@@ -152,9 +153,10 @@ def is_medusa_dir(path) -> bool:
     return (path / MEDUSA_MARKER).is_file() or _released_weights(path) is not None
 
 
-def load_medusa_heads(path, target: nn.Module, dtype: torch.dtype = torch.float32) -> MedusaHeads:
+def load_medusa_heads(path, target: nn.Module, dtype: torch.dtype = torch.float32, half: bool = False) -> MedusaHeads:
     """Heads from a directory (ours or Medusa's released layout; a Hugging Face repo id is
-    downloaded first), bound to ``target``, in eval mode."""
+    downloaded first), bound to ``target``, in eval mode; ``half``: their products on fp16
+    weights (``specdec.models.packed``), as a ``float16-weights`` target's are."""
     path = Path(path)
     if not path.exists() and "/" in str(path) and not str(path).startswith(("/", ".")):
         from huggingface_hub import snapshot_download
@@ -185,7 +187,8 @@ def load_medusa_heads(path, target: nn.Module, dtype: torch.dtype = torch.float3
         raise ValueError(f"Medusa weights mismatch: missing={missing} unexpected={unexpected}")
     heads = heads.to(dtype=dtype, device=next(target.parameters()).device)
     heads = heads.bind_target(target).eval()
-    pack_linears(heads)
+    pack_linears(heads, half=half)
+    heads.rows.half = half
     return heads
 
 

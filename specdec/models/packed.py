@@ -88,6 +88,37 @@ def _version(weight: torch.Tensor) -> int:
     return 0 if weight.is_inference() else weight._version
 
 
+def _packs(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a product of ``x`` with ``weight`` runs on the packed weight: not where autograd
+    records it, nor in ``stock()``, nor off the CPU, nor in a dtype this CPU cannot pack (a model
+    packed, then cast: bf16 without avx512bw)."""
+    return not (stocked() or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+                or x.device.type != "cpu" or x.dtype != weight.dtype or not available(x.dtype))
+
+
+class PackedRows:
+    """``x @ weight.T`` for a weight that is a plain tensor, not a layer's (an EAGLE or Medusa
+    head's rows of the target's LM head): on the weight packed as a ``PackedLinear``'s is (``half``:
+    fp16, FBGEMM), where one would be; packed again when another tensor is passed or it was
+    written. The matmul otherwise (training, another device)."""
+
+    def __init__(self, half: bool = False):
+        self.half = half
+        self._key: tuple | None = None
+        self._packed = None
+
+    def __getstate__(self):
+        return {"half": self.half, "_key": None, "_packed": None}  # oneDNN's layout does not copy
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if not _packs(x, weight):
+            return x @ weight.T
+        key = (weight.data_ptr(), tuple(weight.shape), _version(weight))
+        if key != self._key:
+            self._packed, self._key = pack(weight, self.half), key
+        return linear(x, self._packed, None)
+
+
 class Siblings:
     """Packed layers that read the same input, run as one product on their stacked weights.
 
@@ -160,9 +191,7 @@ class PackedLinear(torch.nn.Linear):
         return {**state, "_packed": None, "_packed_version": -1}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if stocked() or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)) \
-                or x.device.type != "cpu" or x.dtype != self.weight.dtype or not available(x.dtype):
-            # not available: a model packed, then cast to a dtype this CPU cannot pack (bf16 without avx512bw)
+        if not _packs(x, self.weight):
             return F.linear(x, self.weight, self.bias)
         if self.siblings is not None:
             return self.siblings.part(self, x)
