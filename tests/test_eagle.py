@@ -22,7 +22,7 @@ from specdec.engine import Engine
 from specdec.models.eagle import EagleHead, eagle_config, load_eagle_head, save_eagle_head
 from specdec.loading import load_model, load_tokenizer
 from specdec.bench.tiny import synthetic_corpus
-from three_tokens import batched_test_and_control
+from three_tokens import batched_test_and_control, greedy_accepted
 
 PROMPTS = [" ".join(p.split()[:4]) for p in synthetic_corpus(n_sentences=20, seed=99)]
 
@@ -102,13 +102,7 @@ def test_a_float16_weights_target_runs_its_head_on_fp16_weights_and_stays_exact(
         got = head.reduced_logits(features)
     assert head.rows._packed is not None  # the packed product ran
     torch.testing.assert_close(got, features @ head.head_weight.T, rtol=1e-5, atol=1e-5)
-    accepted = 0
-    for prompt in PROMPTS[:4]:
-        ids = engine.encode(prompt=prompt)
-        plain = engine.generate(ids, max_tokens=24, mode="off", ignore_eos=True)
-        spec = engine.generate(ids, max_tokens=24, mode="eagle", k=3, ignore_eos=True)
-        assert spec.token_ids == plain.token_ids, prompt
-        accepted += spec.speculation.accepted_tokens
+    accepted = greedy_accepted(engine, PROMPTS[:4], "eagle", 3)
     assert accepted > 0
     fp32 = Engine.load(ModelConfig(target=target, dtype="float16-weights", eagle_head=head_dir, eagle_dtype="float32"),
                        SpeculationConfig(mode="eagle"), kv_cache_tokens=1024).loop.target.drafters["eagle"].head

@@ -33,7 +33,7 @@ from specdec.engine import Engine
 from specdec.loading import load_model, load_tokenizer
 from specdec.models.medusa import load_medusa_heads, save_medusa_heads
 from specdec.sampling import SamplingParams
-from three_tokens import batched_test_and_control
+from three_tokens import batched_test_and_control, greedy_accepted
 
 PROMPTS = [" ".join(p.split()[:4]) for p in synthetic_corpus(n_sentences=20, seed=99)]
 
@@ -249,13 +249,7 @@ def test_a_float16_weights_target_runs_its_heads_on_fp16_weights_and_stays_exact
     heads = engine.loop.target.drafters["medusa"].heads
     layers = [m for m in heads.modules() if isinstance(m, torch.nn.Linear)]
     assert layers and all(isinstance(m, packed.PackedLinear) and m.half for m in layers) and heads.rows.half
-    accepted = 0
-    for prompt in PROMPTS[:4]:
-        ids = engine.encode(prompt=prompt)
-        plain = engine.generate(ids, max_tokens=24, mode="off", ignore_eos=True)
-        spec = engine.generate(ids, max_tokens=24, mode="medusa", k=3, ignore_eos=True)
-        assert spec.token_ids == plain.token_ids, prompt
-        accepted += spec.speculation.accepted_tokens
+    accepted = greedy_accepted(engine, PROMPTS[:4], "medusa", 3)
     assert accepted > 0 and heads.rows._packed is not None
 
 

@@ -1,4 +1,4 @@
-"""The end-to-end distribution check shared by the drafter tests, on the batched step loop.
+"""Checks shared by the drafter tests on the batched step loop: the end-to-end distribution check, and greedy equality (``greedy_accepted``).
 
 With top_k=3 the first three sampled tokens have 27 possible continuations whose exact
 probabilities the target gives directly; speculative samples, drawn through the engine's step
@@ -95,3 +95,16 @@ def batched_test_and_control(engine, ids: list[int], n: int, mode: str, monkeypa
     honest = batched_result(engine, ids, n, mode, k, length, params)
     monkeypatch.setattr(batch_verify, "acceptance_probs", lambda x, q, p: torch.ones(len(x)))
     return honest, batched_result(engine, ids, n, mode, k, length, params)
+
+
+def greedy_accepted(engine, prompts: list[str], mode: str, k: int, max_tokens: int = 24) -> int:
+    """Asserts each prompt's greedy tokens in ``mode`` (k drafts a round) are plain decoding's;
+    the drafts accepted over all of them."""
+    accepted = 0
+    for prompt in prompts:
+        ids = engine.encode(prompt=prompt)
+        plain = engine.generate(ids, max_tokens=max_tokens, mode="off", ignore_eos=True)
+        spec = engine.generate(ids, max_tokens=max_tokens, mode=mode, k=k, ignore_eos=True)
+        assert spec.token_ids == plain.token_ids, (prompt, mode, k)
+        accepted += spec.speculation.accepted_tokens
+    return accepted
