@@ -1,4 +1,5 @@
-"""Checks shared by the drafter tests on the batched step loop: the end-to-end distribution check, and greedy equality (``greedy_accepted``).
+"""Checks shared by the drafter tests on the batched step loop: the end-to-end distribution
+check, and greedy equality with plain decoding (``greedy_accepted``).
 
 With top_k=3 the first three sampled tokens have 27 possible continuations whose exact
 probabilities the target gives directly; speculative samples, drawn through the engine's step

@@ -104,18 +104,18 @@ class PackedRows:
 
     def __init__(self, half: bool = False):
         self.half = half
-        self._key: tuple | None = None
+        self._weight: torch.Tensor | None = None  # the tensor packed, and its version then
+        self._version = -1
         self._packed = None
 
     def __getstate__(self):
-        return {"half": self.half, "_key": None, "_packed": None}  # oneDNN's layout does not copy
+        return {"half": self.half, "_weight": None, "_version": -1, "_packed": None}  # oneDNN's layout does not copy
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if not _packs(x, weight):
             return x @ weight.T
-        key = (weight.data_ptr(), tuple(weight.shape), _version(weight))
-        if key != self._key:
-            self._packed, self._key = pack(weight, self.half), key
+        if weight is not self._weight or _version(weight) != self._version:
+            self._packed, self._weight, self._version = pack(weight, self.half), weight, _version(weight)
         return linear(x, self._packed, None)
 
 
