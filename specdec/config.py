@@ -13,8 +13,8 @@ Mode = Literal["auto", "draft", "draft_tree", "ngram", "early_exit", "eagle", "e
                "medusa_tree", "off"]  # what a request or a config may ask for
 MODES: tuple[str, ...] = get_args(Mode)
 DType = Literal["auto", "float32", "bfloat16", "float16", "float16-weights"]  # auto: specdec.hardware.resolve_dtype
-# A head on the target's features (EAGLE, Medusa): auto runs it in the target's torch dtype; float16-weights is
-# a model's format (``specdec.loading.load_model``), not one a head's loader packs.
+# A head on the target's features (EAGLE, Medusa): auto follows the target (its torch dtype, and fp16 weights
+# under a float16-weights target: ``specdec.drafters._head_dtype``); float16-weights is not asked of a head alone.
 HeadDType = Literal["auto", "float32", "bfloat16", "float16"]
 
 

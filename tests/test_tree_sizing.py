@@ -146,7 +146,6 @@ def test_a_seeded_sampled_request_starts_from_priors_not_the_units_record(engine
 def test_a_head_on_the_targets_features_runs_in_the_targets_dtype(llama_pair):
     from specdec.batch.runner import BatchRunner
     from specdec.loading import load_model
-
     from specdec.models import packed
 
     for dtype in (torch.float32, torch.bfloat16):
