@@ -12,8 +12,9 @@ from deployments.config import (
 )
 from deployments.ingress import Ingress
 from deployments.router import SpecRouter
+from deployments.unit_ingress import UnitIngress
 
-
+APP_ONLY = {"ingress_cpus", "api_keys", "units", "ingress"}  # AppArgs' fields a unit does not take
 
 
 def _admission(max_queued: int) -> dict:
@@ -43,17 +44,37 @@ def build_unit(args: dict | UnitArgs, name: str = "SpecRouter", **options) -> Ap
     ``options`` are extra deployment options (``num_replicas``, ...); serve_config.yaml's
     ``deployments:`` entries override them as usual.
     """
+    unit = _resolved(args)
+    return SpecRouter.options(**_unit_options(unit, name, unit.max_concurrent_requests, UNIT_MAX_QUEUED, options)
+                              ).bind(unit.model_dump())
+
+
+def build_unit_ingress(args: AppArgs, **options) -> Application:
+    """``ingress: in_unit``: the unit's replicas serve the API themselves (``deployments.unit_ingress``).
+
+    Its replicas take requests as an Ingress does (the proxy's queue, then 503 + Retry-After);
+    the unit refuses generations past its own bound inside (``LocalUnit``)."""
+    unit = _resolved(UnitArgs.model_validate(args.model_dump(exclude=APP_ONLY)))
+    return UnitIngress.options(**_unit_options(unit, router_name(0), INGRESS_MAX_ONGOING, INGRESS_MAX_QUEUED, options)
+                              ).bind(unit.model_dump(), args.api_keys, args.limits.model_dump())
+
+
+def _resolved(args: dict | UnitArgs) -> UnitArgs:
     unit = UnitArgs.model_validate(args if isinstance(args, dict) else args.model_dump())
-    unit = unit.model_copy(update={"models": resolve_models(unit.models)})
+    return unit.model_copy(update={"models": resolve_models(unit.models)})
+
+
+def _unit_options(unit: UnitArgs, name: str, ongoing: int, queued: int, options: dict) -> dict:
+    """A unit deployment's options: its placement group, what it admits, ``options`` over them."""
     bundles = unit_bundles(unit)
-    return SpecRouter.options(
+    return dict(
         name=name,
         placement_group_bundles=bundles,
         placement_group_strategy="STRICT_PACK",
         ray_actor_options={"num_cpus": bundles[0]["CPU"], "num_gpus": bundles[0].get("GPU", 0)},
-        max_ongoing_requests=unit.max_concurrent_requests,
-        **{**_admission(UNIT_MAX_QUEUED), "health_check_timeout_s": UNIT_HEALTH_CHECK_TIMEOUT_S, **options},
-    ).bind(unit.model_dump())
+        max_ongoing_requests=ongoing,
+        **{**_admission(queued), "health_check_timeout_s": UNIT_HEALTH_CHECK_TIMEOUT_S, **options},
+    )
 
 
 def build_app(args: dict) -> Application:
@@ -68,7 +89,9 @@ def bind_app(args: dict, **router_options) -> Application:
     serve_config.yaml sets them under ``deployments:``.
     """
     parsed = AppArgs.model_validate(args)
-    first = UnitArgs.model_validate(parsed.model_dump(exclude={"ingress_cpus", "api_keys", "units"}))
+    if parsed.ingress == "in_unit":
+        return build_unit_ingress(parsed, **router_options)
+    first = UnitArgs.model_validate(parsed.model_dump(exclude=APP_ONLY))
     routes = []
     for index, unit in enumerate([first, *parsed.units]):
         models = resolve_models(unit.models)

@@ -176,6 +176,20 @@ class AppArgs(UnitArgs):
         default_factory=list, description="More models in this application, one unit each (deployments "
         "SpecRouter-1, SpecRouter-2, ...), routed by the request's `model`; the top-level unit is the first."
     )
+    ingress: Literal["separate", "in_unit"] = Field(
+        "separate", description="separate: an Ingress deployment takes HTTP and streams each request from "
+        "its unit over Ray (a hop per streamed event; several units and models, the proxy's load spread "
+        "over Ingress replicas). in_unit: the unit's own replica (deployment SpecRouter) serves the API, "
+        "one model and no hop per event: on 2 CPU cores that hop and the Ingress process cost ~2 ms of "
+        "CPU per token, ~10% of the unit's throughput under load (README). Its replicas admit "
+        "max_concurrent_requests + 64 requests each, then answer 503 + Retry-After themselves."
+    )
+
+    @model_validator(mode="after")
+    def _in_unit_serves_one_unit(self) -> "AppArgs":
+        if self.ingress == "in_unit" and self.units:
+            raise ValueError("ingress: in_unit serves one unit's model; more units need ingress: separate")
+        return self
 
     @model_validator(mode="after")
     def _one_unit_per_name(self) -> "AppArgs":

@@ -37,9 +37,16 @@ _DICT_FIELDS: dict[str, type[BaseModel]] = {
 }
 _FREE_FORM = {"args", "user_config", "runtime_env", "resources", "logging_config", "policy_kwargs"}
 def _our_deployments(app: dict) -> list[str]:
-    """What deployments.app builds for ``app``: the Ingress and one SpecRouter per unit."""
+    """What deployments.app builds for ``app``: the Ingress and one SpecRouter per unit, or
+    (``ingress: in_unit``) the unit's SpecRouter alone."""
+    if _in_unit(app):
+        return [router_name(0)]
     units = (app.get("args") or {}).get("units") or []
     return ["Ingress", *(router_name(i) for i in range(1 + (len(units) if isinstance(units, list) else 0)))]
+
+
+def _in_unit(app: dict) -> bool:
+    return (app.get("args") or {}).get("ingress") == "in_unit"
 
 
 def _model_of(annotation) -> type[BaseModel] | None:
@@ -133,6 +140,8 @@ def _lint_router_capacity(app: dict, dep: dict, where: str) -> list[str]:
         args = AppArgs.model_validate(app.get("args") or {})
     except (ValidationError, ValueError):
         return []  # reported with the args
+    if args.ingress == "in_unit":
+        return _lint_in_unit_admission(args, dep, where)
     limit = dep.get("max_ongoing_requests", args.max_concurrent_requests)
     if not isinstance(limit, int):
         return []  # the schema reports it
@@ -151,6 +160,34 @@ def _lint_router_capacity(app: dict, dep: dict, where: str) -> list[str]:
             f"the unit's max_ongoing_requests ({limit}): the policy would count on capacity "
             "the unit refuses"
         )
+    return problems
+
+
+def _lint_in_unit_admission(args: AppArgs, dep: dict, where: str) -> list[str]:
+    """``ingress: in_unit``: the SpecRouter replica takes HTTP (every API call is one of its
+    ``max_ongoing_requests``) and refuses generations past ``max_concurrent_requests`` +
+    ``UNIT_MAX_QUEUED`` itself; that 503 + Retry-After must be reachable, and the proxy's queue
+    before it bounded, with a Retry-After of its own."""
+    admitted = dep.get("max_ongoing_requests", INGRESS_MAX_ONGOING)
+    queued = dep.get("max_queued_requests", INGRESS_MAX_QUEUED)
+    if not isinstance(admitted, int) or not isinstance(queued, int):
+        return []  # the schema reports it
+    held = args.max_concurrent_requests + UNIT_MAX_QUEUED
+    problems = []
+    if admitted <= held:
+        problems.append(
+            f"{where}.max_ongoing_requests: {admitted} <= the {held} generations the unit holds "
+            f"(max_concurrent_requests {args.max_concurrent_requests} + {UNIT_MAX_QUEUED} waiting): its own "
+            f"503 + Retry-After is unreachable and the excess waits at the proxy; set it above {held}"
+        )
+    if queued == -1:
+        problems.append(
+            f"{where}.max_queued_requests: -1 (no limit): past max_ongoing_requests requests wait at each "
+            "proxy without end; set it (and backpressure_config.retry_after_s)"
+        )
+    elif "backpressure_config" in dep and (dep["backpressure_config"] or {}).get("retry_after_s") is None:
+        problems.append(f"{where}.backpressure_config.retry_after_s: not set: the proxy refuses past "
+                        "max_queued_requests without a Retry-After header; set it (seconds)")
     return problems
 
 
@@ -206,6 +243,8 @@ def _lint_admission(app: dict, where: str) -> list[str]:
         args = AppArgs.model_validate(app.get("args") or {})
     except (ValidationError, ValueError):
         return []  # reported with the args
+    if args.ingress == "in_unit":
+        return []  # one deployment: its entry's check (_lint_router_capacity)
     entries = app.get("deployments") or []
     index = {d.get("name"): i for i, d in enumerate(entries) if isinstance(d, dict)}
 

@@ -68,7 +68,7 @@ def expected_fingerprint(config: dict) -> str:
     from deployments.config import UnitArgs, resolve_models, unit_fingerprint
     from specdec.policy import PolicyConfig
 
-    args = {k: v for k, v in _app(config)["args"].items() if k not in ("ingress_cpus", "api_keys", "units", "limits")}
+    args = {k: v for k, v in _app(config)["args"].items() if k not in ("ingress_cpus", "api_keys", "units", "limits", "ingress")}
     unit = UnitArgs.model_validate(args)
     return unit_fingerprint(resolve_models(unit.models), unit.speculation,
                             PolicyConfig.model_validate(_router(config).get("user_config") or {}))

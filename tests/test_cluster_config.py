@@ -249,3 +249,33 @@ def test_the_shipped_configs_can_refuse():
         assert ingress["max_queued_requests"] > 0
         for dep in (router, ingress):
             assert dep["backpressure_config"]["status_code"] == status and dep["backpressure_config"]["retry_after_s"] > 0
+
+
+def in_unit_config(change=lambda app, unit: None) -> list[str]:
+    """serve_config.yaml switched to ``ingress: in_unit`` (its SpecRouter entry as an ingress's:
+    the builder's 256 admitted, 256 queued at the proxy), then ``change(app, unit_entry)``."""
+    config = load(LOCAL_CONFIG)
+    app = config["applications"][0]
+    app["args"]["ingress"] = "in_unit"
+    unit = next(d for d in app["deployments"] if d["name"] == "SpecRouter")
+    unit.update(max_queued_requests=256)
+    app["deployments"] = [unit]
+    change(app, unit)
+    return lint_config(config)
+
+
+def test_an_in_unit_application_is_the_unit_alone_and_its_own_refusal_must_be_reachable():
+    assert in_unit_config() == []
+    # The Ingress deployment does not exist in this layout: an entry for it is a mistake.
+    problems = in_unit_config(lambda app, unit: app["deployments"].append({"name": "Ingress", "num_replicas": 1}))
+    assert problems == ["applications[0].deployments[1].name: 'Ingress' is not one of ['SpecRouter']"], problems
+    # The unit holds 16 + 64 generations before its own 503: admitting no more than that at the
+    # replica leaves the excess at the proxy.
+    problems = in_unit_config(lambda app, unit: unit.update(max_ongoing_requests=80))
+    assert len(problems) == 1 and "80 <= the 80 generations the unit holds" in problems[0], problems
+    assert in_unit_config(lambda app, unit: unit.update(max_ongoing_requests=81)) == []
+    problems = in_unit_config(lambda app, unit: unit.update(max_queued_requests=-1))
+    assert len(problems) == 1 and "max_queued_requests: -1 (no limit)" in problems[0], problems
+    # One unit only: more models need the Ingress.
+    problems = in_unit_config(lambda app, unit: app["args"].update(units=[{"models": {"target": "t"}}]))
+    assert any("ingress: in_unit serves one unit's model" in p for p in problems), problems

@@ -14,7 +14,7 @@ import torch
 import yaml
 from ray import serve
 
-from deployments.app import build_app
+from deployments.app import bind_app, build_app
 from deployments.lint import lint_serve_config
 from specdec.tracing.reader import load_traces
 from specdec.demo.eagle import EagleTrainConfig, init_eagle_head
@@ -25,6 +25,8 @@ PORT = 8123
 BASE = f"http://127.0.0.1:{PORT}"
 MODEL = "tiny"
 MODES = ["in_process", "actors"]
+LAYOUTS = [*MODES, "in_unit"]  # in_unit: in_process, the unit's replica serving HTTP itself
+IN_UNIT_FLAGS = {"default_mode": "ngram"}  # its user_config: the unit's flags reach it
 PROMPTS = ["The cat sees", "My friend builds the old", "Def f1(x): return x +"]
 KEYS = ["key-one", "key-two"]
 
@@ -59,6 +61,8 @@ def server(llama_pair, tmp_path_factory):
     secured = {"models": {"target": str(llama_pair["target"]), "dtype": "float32", "served_model_name": MODEL},
                "colocation": "in_process", "api_keys": KEYS}
     apps.append(serve.RunTarget(build_app(secured), "secured", "/secured"))
+    in_unit = {**args, "colocation": "in_process", "ingress": "in_unit"}
+    apps.append(serve.RunTarget(bind_app(in_unit, user_config=IN_UNIT_FLAGS), "in_unit", "/in_unit"))
     serve.run_many(apps)  # started side by side
     yield {**llama_pair, "traces": home / "traces"}
     serve.shutdown()
@@ -101,7 +105,7 @@ def sse_events(text: str) -> list:
     return [json.loads(line) for line in lines[:-1]]
 
 
-@pytest.mark.parametrize("colocation", MODES)
+@pytest.mark.parametrize("colocation", LAYOUTS)
 @pytest.mark.parametrize("mode", ["off", "draft", "ngram", "early_exit", "eagle"])
 def test_greedy_over_http_equals_plain_decoding(server, reference, colocation, mode):
     for prompt in PROMPTS:
@@ -125,7 +129,7 @@ def test_greedy_over_http_equals_plain_decoding(server, reference, colocation, m
         assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 32
 
 
-@pytest.mark.parametrize("colocation", MODES)
+@pytest.mark.parametrize("colocation", LAYOUTS)
 def test_concurrent_streams_complete_correctly(server, reference, colocation):
     async def one(client, prompt, mode):
         body = {"model": MODEL, "prompt": prompt, "max_tokens": 32, "temperature": 0, "stream": True,
@@ -142,7 +146,7 @@ def test_concurrent_streams_complete_correctly(server, reference, colocation):
         assert tokens == reference[prompt]
 
 
-@pytest.mark.parametrize("colocation", MODES)
+@pytest.mark.parametrize("colocation", LAYOUTS)
 def test_openai_client_works_unchanged(server, colocation):
     client = openai.OpenAI(base_url=f"{BASE}/{colocation}/v1", api_key="unused")
     assert [m.id for m in client.models.list().data] == [MODEL]
@@ -336,7 +340,7 @@ def solo(server):
     return out
 
 
-@pytest.mark.parametrize("colocation", MODES)
+@pytest.mark.parametrize("colocation", LAYOUTS)
 def test_eight_concurrent_streams_each_get_their_solo_tokens(server, solo, colocation):
     """Eight streams at once (modes mixed) share the unit's steps; each is token-identical (fp32)
     to its solo run, and the unit ran fewer steps than the streams' rounds added up."""
@@ -367,11 +371,12 @@ def test_eight_concurrent_streams_each_get_their_solo_tokens(server, solo, coloc
     assert steps < sum(rounds for _, rounds in results)  # rows really shared steps
 
 
-def test_a_disconnected_client_frees_its_slot(server):
-    router = serve.get_deployment_handle("SpecRouter", app_name="in_process")
+@pytest.mark.parametrize("layout", ["in_process", "in_unit"])
+def test_a_disconnected_client_frees_its_slot(server, layout):
+    router = serve.get_deployment_handle("SpecRouter", app_name=layout)
     body = {"model": MODEL, "prompt": "The cat sees", "max_tokens": 400, "temperature": 0, "stream": True,
             "speculation": {"mode": "off"}}
-    with httpx.stream("POST", f"{BASE}/in_process/v1/completions", json=body, timeout=60) as r:
+    with httpx.stream("POST", f"{BASE}/{layout}/v1/completions", json=body, timeout=60) as r:
         for i, _ in enumerate(r.iter_lines()):
             if i >= 6:
                 assert router.info.remote().result()["usage"]["running"] == 1
@@ -381,6 +386,22 @@ def test_a_disconnected_client_frees_its_slot(server):
         assert time.time() < deadline, usage
         time.sleep(0.05)
     assert usage["free_tokens"] == usage["capacity_tokens"] and usage["waiting"] == 0
+    assert router.info.remote().result().get("admitted", 0) == 0  # in_unit: its admission place freed
+
+
+def test_in_unit_is_one_deployment_that_takes_the_units_flags_and_frees_refused_requests(server):
+    """ingress: in_unit: the application is the unit's deployment alone; its user_config reaches
+    the unit (a request naming no mode gets the flags' default mode); a refused request (400)
+    and a finished one leave nothing admitted."""
+    deployments = serve.status().applications["in_unit"].deployments
+    assert set(deployments) == {"SpecRouter"}
+    r = completion("in_unit", prompt="The cat sees", max_tokens=4)
+    assert r.status_code == 200 and r.headers["x-specdec-mode"] == IN_UNIT_FLAGS["default_mode"]
+    bad = completion("in_unit", prompt="The cat sees", speculation={"mode": "nonsense"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "speculation.mode", bad.text
+    info = serve.get_deployment_handle("SpecRouter", app_name="in_unit").info.remote().result()
+    assert info["ingress"] == "in_unit" and info["admitted"] == 0 and info["colocation"] == "in_process"
+    assert info["policy"]["default_mode"] == IN_UNIT_FLAGS["default_mode"]
 
 
 def test_two_requests_with_one_x_request_id_are_isolated(server, solo):

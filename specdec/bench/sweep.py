@@ -274,6 +274,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", help="only this running server (no in-process sweep)")
     p.add_argument("--http", action="store_true", help="also sweep through HTTP on a local Serve")
     p.add_argument("--port", type=int, default=8191, help="the local Serve's port (with --http)")
+    p.add_argument("--ingress", choices=["separate", "in_unit"], default="separate",
+                   help="the local Serve's layout (with --http): an Ingress deployment before the unit "
+                        "(serve_config.yaml's default), or the unit serving HTTP itself")
     p.add_argument("--model", default="SmolLM2-135M-Instruct", help="served model name (with --url)")
     p.add_argument("--target", help="target model (default: the demo pair)")
     p.add_argument("--draft", help="draft model (default: the demo pair)")
@@ -342,7 +345,8 @@ def run(args, progress: Progress = QUIET) -> dict:
     if args.http:
         with progress.phase("HTTP: start a local Serve", 1) as phase:
             phase.now(f"127.0.0.1:{args.port}")
-            stop = local_server()(models, port=args.port, name="sweep", max_num_seqs=max(levels))
+            stop = local_server()(models, port=args.port, name="sweep", max_num_seqs=max(levels),
+                                  ingress=args.ingress)
             phase.advance()
         try:
             url = f"http://127.0.0.1:{args.port}"
