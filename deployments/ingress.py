@@ -1,4 +1,5 @@
-"""Ingress: the OpenAI-style HTTP API (FastAPI), one streaming router call per request."""
+"""Ingress: the OpenAI-style HTTP API (FastAPI), one streaming router call per request
+(``ingress: in_unit`` runs this same class inside the unit: ``deployments.unit_ingress``)."""
 
 
 import json
