@@ -14,7 +14,7 @@ from deployments.ingress import Ingress
 from deployments.router import SpecRouter
 from deployments.unit_ingress import UnitIngress
 
-APP_ONLY = {"ingress_cpus", "api_keys", "units", "ingress"}  # AppArgs' fields a unit does not take
+APP_ONLY = set(AppArgs.model_fields) - set(UnitArgs.model_fields)  # the ingress's and the application's
 
 
 def _admission(max_queued: int) -> dict:
