@@ -180,15 +180,7 @@ def _lint_in_unit_admission(args: AppArgs, dep: dict, where: str) -> list[str]:
             f"(max_concurrent_requests {args.max_concurrent_requests} + {UNIT_MAX_QUEUED} waiting): its own "
             f"503 + Retry-After is unreachable and the excess waits at the proxy; set it above {held}"
         )
-    if queued == -1:
-        problems.append(
-            f"{where}.max_queued_requests: -1 (no limit): past max_ongoing_requests requests wait at each "
-            "proxy without end; set it (and backpressure_config.retry_after_s)"
-        )
-    elif "backpressure_config" in dep and (dep["backpressure_config"] or {}).get("retry_after_s") is None:
-        problems.append(f"{where}.backpressure_config.retry_after_s: not set: the proxy refuses past "
-                        "max_queued_requests without a Retry-After header; set it (seconds)")
-    return problems
+    return problems + _proxy_queue(where, router_name(0), dep, queued)
 
 
 def _max_replicas(dep: dict) -> int:
@@ -214,19 +206,25 @@ def _unbounded_queues(at, router: dict, ingress: dict, *, slots: int, ongoing: i
             "replica without end and never get 503/429 + Retry-After; set SpecRouter "
             f"max_queued_requests (e.g. {4 * ongoing}: four turns of a unit's slots)"
         )
-    if ingress_queued == -1:
-        problems.append(
-            f"{at('Ingress')}.max_queued_requests: {'-1' if 'max_queued_requests' in ingress else 'not set'}"
-            " (no limit): once every Ingress replica holds max_ongoing_requests, requests wait at "
-            "each proxy without end; set Ingress max_queued_requests (and backpressure_config."
+    return problems + _proxy_queue(at("Ingress"), "Ingress", ingress, ingress_queued)
+
+
+def _proxy_queue(where: str, name: str, entry: dict, queued: int) -> list[str]:
+    """The queue at each proxy before the deployment ``name`` that takes HTTP: bounded, and its
+    refusal with a Retry-After."""
+    if queued == -1:
+        return [
+            f"{where}.max_queued_requests: {'-1' if 'max_queued_requests' in entry else 'not set'}"
+            f" (no limit): once every {name} replica holds max_ongoing_requests, requests wait at "
+            f"each proxy without end; set {name} max_queued_requests (and backpressure_config."
             "retry_after_s) so the proxy answers 503/429 + Retry-After"
-        )
-    elif "backpressure_config" in ingress and (ingress["backpressure_config"] or {}).get("retry_after_s") is None:
-        problems.append(
-            f"{at('Ingress')}.backpressure_config.retry_after_s: not set: the proxy refuses past "
-            "Ingress max_queued_requests without a Retry-After header; set it (seconds)"
-        )
-    return problems
+        ]
+    if "backpressure_config" in entry and (entry["backpressure_config"] or {}).get("retry_after_s") is None:
+        return [
+            f"{where}.backpressure_config.retry_after_s: not set: the proxy refuses past "
+            f"{name} max_queued_requests without a Retry-After header; set it (seconds)"
+        ]
+    return []
 
 
 def _lint_admission(app: dict, where: str) -> list[str]:

@@ -276,6 +276,9 @@ def test_an_in_unit_application_is_the_unit_alone_and_its_own_refusal_must_be_re
     assert in_unit_config(lambda app, unit: unit.update(max_ongoing_requests=81)) == []
     problems = in_unit_config(lambda app, unit: unit.update(max_queued_requests=-1))
     assert len(problems) == 1 and "max_queued_requests: -1 (no limit)" in problems[0], problems
+    problems = in_unit_config(lambda app, unit: unit["backpressure_config"].pop("retry_after_s"))
+    assert problems == ["applications[0].deployments[0].backpressure_config.retry_after_s: not set: the proxy "
+                        "refuses past SpecRouter max_queued_requests without a Retry-After header; set it (seconds)"]
     # One unit only: more models need the Ingress.
     problems = in_unit_config(lambda app, unit: app["args"].update(units=[{"models": {"target": "t"}}]))
     assert any("ingress: in_unit serves one unit's model" in p for p in problems), problems
