@@ -152,15 +152,19 @@ def _lint_router_capacity(app: dict, dep: dict, where: str) -> list[str]:
             f"({args.max_concurrent_requests}): requests beyond that wait inside the replica, "
             "invisible to backpressure"
         )
+    return problems + _policy_per_unit(dep, limit, "the unit's max_ongoing_requests", where)
+
+
+def _policy_per_unit(dep: dict, limit: int, what: str, where: str) -> list[str]:
+    """The speculation-aware policy's ``max_requests_per_unit`` may not exceed what a unit takes."""
     policy = (dep.get("autoscaling_config") or {}).get("policy") or {}
     per_unit = (policy.get("policy_kwargs") or {}).get("max_requests_per_unit")
     if policy.get("policy_function") == POLICY_PATH and isinstance(per_unit, (int, float)) and per_unit > limit:
-        problems.append(
+        return [
             f"{where}.autoscaling_config.policy.policy_kwargs.max_requests_per_unit: {per_unit} > "
-            f"the unit's max_ongoing_requests ({limit}): the policy would count on capacity "
-            "the unit refuses"
-        )
-    return problems
+            f"{what} ({limit}): the policy would count on capacity the unit refuses"
+        ]
+    return []
 
 
 def _lint_in_unit_admission(args: AppArgs, dep: dict, where: str) -> list[str]:
@@ -180,6 +184,7 @@ def _lint_in_unit_admission(args: AppArgs, dep: dict, where: str) -> list[str]:
             f"(max_concurrent_requests {args.max_concurrent_requests} + {UNIT_MAX_QUEUED} waiting): its own "
             f"503 + Retry-After is unreachable and the excess waits at the proxy; set it above {held}"
         )
+    problems += _policy_per_unit(dep, held, "the generations the unit holds", where)
     return problems + _proxy_queue(where, router_name(0), dep, queued)
 
 

@@ -279,6 +279,20 @@ def test_an_in_unit_application_is_the_unit_alone_and_its_own_refusal_must_be_re
     problems = in_unit_config(lambda app, unit: unit["backpressure_config"].pop("retry_after_s"))
     assert problems == ["applications[0].deployments[0].backpressure_config.retry_after_s: not set: the proxy "
                         "refuses past SpecRouter max_queued_requests without a Retry-After header; set it (seconds)"]
+    # The speculation-aware policy may count on the generations the unit holds (16 + 64), not on
+    # the API calls its replica admits (256).
+    def autoscaled(per_unit):
+        def change(app, unit):
+            unit.pop("num_replicas")
+            unit["autoscaling_config"] = {"min_replicas": 1, "max_replicas": 2, "policy": {
+                "policy_function": "deployments.autoscaling:SpeculationAwarePolicy",
+                "policy_kwargs": {"target_tokens_per_s": 20, "max_requests_per_unit": per_unit}}}
+        return in_unit_config(change)
+
+    assert autoscaled(80) == []
+    problems = autoscaled(256)
+    assert len(problems) == 1 and "max_requests_per_unit: 256 > the generations the unit holds (80)" in problems[0], \
+        problems
     # One unit only: more models need the Ingress.
     problems = in_unit_config(lambda app, unit: app["args"].update(units=[{"models": {"target": "t"}}]))
     assert any("ingress: in_unit serves one unit's model" in p for p in problems), problems
