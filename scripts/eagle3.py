@@ -5,6 +5,7 @@ them), stdlib code chunks and the diverse-prompt teacher data, each cached under
 ``--engine N``: the diverse data are instead N diverse prompts answered greedily by specdec's own
 batched engine (the served dtype, ``--new-tokens`` each, many rows a step: several times faster
 than ``generate()`` on a CPU), plus the docstring answers; labels and features in float32 as before.
+``--code-chunks N``: that many stdlib code chunks (default: half the build's 240).
 ``python scripts/eagle3.py train WORK [--init DIR] [--ttt N] [--steps N]``: train a head
 (checkpointed under WORK every few steps), save it to WORK/eagle, measure held-out agreement.
 ``python scripts/eagle3.py eval WORK DIR``: held-out agreement of the head in DIR at depths 1-3.
@@ -46,7 +47,7 @@ def cached(path: Path, make):
     return value
 
 
-def data(work: Path, cfg, engine_prompts: int = 0, new_tokens: int = 128) -> dict:
+def data(work: Path, cfg, engine_prompts: int = 0, new_tokens: int = 128, code_chunks: int = 0) -> dict:
     from specdec.demo.build import _phase_corpus
     from specdec.demo.eagle_data import diverse_teacher
     from specdec.demo.teacher import add_features, generate_answers, teacher_code
@@ -73,7 +74,8 @@ def data(work: Path, cfg, engine_prompts: int = 0, new_tokens: int = 128) -> dic
                                          corpus.held_prompts + corpus.train_prompts, cfg, work / "diverse")
     times["diverse_s"] = round(time.time() - t, 1)
     t = time.time()
-    code = cached(work / "code.pt", lambda: teacher_code(target, corpus.chunks[:cfg.n_code_chunks // 2], cfg, "stdlib code"))
+    n_code = code_chunks or cfg.n_code_chunks // 2
+    code = cached(work / "code.pt", lambda: teacher_code(target, corpus.chunks[:n_code], cfg, "stdlib code"))
     times["code_s"] = round(time.time() - t, 1)
     out = {"diverse": stats, "code_examples": len(code), "heldout_chat": len(held["chat"]), **times}
     (work / "data.json").write_text(json.dumps(out, indent=2))
@@ -174,13 +176,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--engine", type=int, default=0, help="data: N diverse prompts answered by specdec's engine")
     ap.add_argument("--new-tokens", type=int, default=128, help="data --engine: tokens an answer")
+    ap.add_argument("--code-chunks", type=int, default=0, help="data: stdlib code chunks (default: half the build's)")
     ap.add_argument("--prev-json", type=Path, help="ship: the previous head's `eval` output (JSON)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.set_num_threads(args.threads)
     cfg = BuildConfig()
     if args.cmd == "data":
-        log.info("data: %s", data(args.work, cfg, args.engine, args.new_tokens)["stats"])
+        log.info("data: %s", data(args.work, cfg, args.engine, args.new_tokens, args.code_chunks)["stats"])
     else:
         from eagle3_train import evaluate, ship, train  # noqa: E402 (the training half of this script)
 
