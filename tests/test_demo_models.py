@@ -166,6 +166,73 @@ def test_cache_hit_returns_at_once(tmp_path, monkeypatch):
     assert not list(home.glob(".demo.build-*"))  # and removed its temp dir
 
 
+def _ship(weights: Path, eagle_version: int) -> None:
+    """A stand-in weights directory: every shipped name, with the EAGLE files and the metrics
+    depending on ``eagle_version``, and its manifest."""
+    from specdec.demo import shipped
+
+    weights.mkdir(exist_ok=True)
+    for name in shipped.FILES:
+        version = eagle_version if name.startswith(("eagle", "metrics")) else 0
+        (weights / name).write_text(json.dumps({"name": name, "version": version}))
+    (weights / shipped.MANIFEST).write_text(json.dumps(
+        {"sha256": {n: shipped.sha256(weights / n) for n in shipped.FILES}, "target_fingerprint": "t", "bytes": 1}))
+
+
+def test_an_assembled_cache_gets_the_weights_an_upgrade_ships(tmp_path):
+    """A cache assembled from older shipped weights: the files that changed are copied again
+    (weights before markers, metrics last, keeping the cache's `assembled` record); a second look
+    copies nothing; a cache built by --train is the user's own and is left alone; weights that
+    fail their hashes are refused before anything is copied."""
+    from specdec.demo import shipped
+
+    weights, root = tmp_path / "weights", tmp_path / "demo"
+    _ship(weights, 1)
+    _fake_demo(root, tmp_path)
+    for name, (sub, there) in shipped.FILES.items():
+        (root / sub / there).write_bytes((weights / name).read_bytes())
+    assembled = {"seconds": 40.0}
+    (root / "metrics.json").write_text(json.dumps({"name": "metrics.json", "version": 1, "assembled": assembled}))
+    assert shipped.refresh(root, weights) == []  # up to date
+    _ship(weights, 2)  # the upgrade: a new EAGLE head
+    assert shipped.refresh(root, weights) == ["eagle.safetensors", "eagle.json", "metrics.json"]
+    for name, (sub, there) in shipped.FILES.items():
+        if name != "metrics.json":
+            assert shipped.sha256(root / sub / there) == shipped.sha256(weights / name), name
+    metrics = json.loads((root / "metrics.json").read_text())
+    assert metrics == {"name": "metrics.json", "version": 2, "assembled": assembled}
+    assert shipped.refresh(root, weights) == [] and not list(root.rglob("*.refresh-*"))
+    trained = tmp_path / "trained"
+    _fake_demo(trained, tmp_path)  # metrics without `assembled`: a --train build
+    before = {p: p.read_bytes() for p in trained.rglob("*") if p.is_file()}
+    assert shipped.refresh(trained, weights) == []
+    assert {p: p.read_bytes() for p in trained.rglob("*") if p.is_file()} == before
+    _ship(weights, 3)
+    (weights / "eagle.safetensors").write_text("tampered")
+    with pytest.raises(ValueError, match="SHA-256"):
+        shipped.refresh(root, weights)
+    assert json.loads((root / "metrics.json").read_text())["version"] == 2  # nothing copied
+
+
+def test_the_cache_hit_refreshes_an_assembled_cache_from_the_installed_weights(tmp_path):
+    """`specdec demo-models` on a cache assembled by an older specdec (its EAGLE head, draft and
+    Medusa heads differ from the installed ones): every shipped file the cache holds ends up
+    equal to the installed package's, checked against the manifest, without a rebuild."""
+    from specdec.demo import shipped
+
+    home = tmp_path / "home"
+    _fake_demo(home / "demo", tmp_path)
+    (home / "demo" / "metrics.json").write_text(json.dumps({"assembled": {"seconds": 40.0}}))
+    assert demo.build_demo_models(home) == home / "demo"
+    manifest = shipped.verify()
+    for name, (sub, there) in shipped.FILES.items():
+        if name != "metrics.json":
+            assert shipped.sha256(home / "demo" / sub / there) == manifest["sha256"][name], name
+    metrics = json.loads((home / "demo" / "metrics.json").read_text())
+    assert metrics["eagle"] == json.loads((shipped.WEIGHTS_DIR / "metrics.json").read_text())["eagle"]
+    assert metrics["assembled"] == {"seconds": 40.0} and demo.is_demo_complete(home)
+
+
 def test_interrupted_build_is_not_complete(tmp_path):
     home = tmp_path / "home"
     _fake_demo(home / "demo", tmp_path)

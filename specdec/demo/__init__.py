@@ -10,7 +10,8 @@ target from the GGUF and takes the draft and the heads from the weights shipped 
 (hashes checked; :mod:`specdec.demo.shipped`); ``train=True`` rebuilds everything from scratch
 (:mod:`specdec.demo.build`). Either runs in a temp directory next to the final one, renamed
 into place at the end, so an interrupted build is never mistaken for a finished one. A second
-call finds the complete cache and returns at once.
+call finds the complete cache and returns at once (a cache assembled from an older specdec's
+shipped weights gets the installed ones first: ``shipped.refresh``).
 
 Rebuild and retrain from scratch (about an hour on 2 cores)::
 
@@ -149,6 +150,10 @@ def build_demo_models(home: Path | str | None = None, *, force: bool = False, tr
     root = demo_home(home)
     if not force and _complete(root):
         print(f"[specdec demo] using cached demo models in {root}", file=sys.stderr)
+        refreshed = shipped.refresh(root)  # an upgrade's new heads replace an assembled cache's old ones
+        if refreshed:
+            print(f"[specdec demo] refreshed from this specdec's shipped weights: {', '.join(refreshed)}",
+                  file=sys.stderr)
         if early_exit:
             _ensure_exit(root)
         return root

@@ -10,12 +10,14 @@ the fingerprint of the target they were trained on.
 ``assemble(out)``: convert the target from the GGUF (phase 1 of the build), check every hash,
 and write ``draft/``, ``eagle/``, ``medusa/`` and ``exit/`` from the shipped files: about a minute instead of the
 training build's hour. ``export(root)`` writes the weights directory from a training build.
+``refresh(root)``: a cache assembled from an older specdec's weights gets the installed ones.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import sys
 import time
@@ -115,6 +117,46 @@ def install_exit(root: Path, weights: Path = WEIGHTS_DIR) -> bool:
         (root / sub).mkdir(parents=True, exist_ok=True)
         shutil.copyfile(weights / name, root / sub / there)
     return True
+
+
+def refresh(root: Path, weights: Path = WEIGHTS_DIR) -> list[str]:
+    """Bring a demo cache assembled from shipped weights up to the installed ones; returns the
+    shipped names it copied again.
+
+    A file whose copy in ``root`` differs from the installed one (an upgrade shipped a new head)
+    is copied again, hashes checked, each by an atomic rename, weights before their markers;
+    ``metrics.json`` becomes the shipped one with the cache's ``assembled`` record. A file the
+    cache does not hold is left to whoever installs it (the exit adapter: ``install_exit``). A
+    cache built by ``--train`` has no ``assembled`` record: it is the user's own, left alone.
+    The target is not converted again (the shipped weights name its fingerprint, which does
+    not change with them).
+    """
+    try:
+        metrics = json.loads((root / "metrics.json").read_text())
+    except (OSError, ValueError):
+        return []
+    if not isinstance(metrics, dict) or "assembled" not in metrics or not available(weights):
+        return []
+    placed = shipped_files(weights)
+    manifest = json.loads((weights / MANIFEST).read_text())
+    stale = [name for name, (sub, there) in placed.items() if name != "metrics.json"
+             and (root / sub / there).is_file() and sha256(root / sub / there) != manifest["sha256"].get(name)]
+    shipped_metrics = json.loads((weights / "metrics.json").read_text())
+    if {k: v for k, v in metrics.items() if k != "assembled"} != shipped_metrics:
+        stale.append("metrics.json")
+    if not stale:
+        return []
+    verify(weights)
+    for name in sorted(stale, key=lambda n: (n == "metrics.json", n.endswith(".json"))):  # markers last
+        sub, there = placed[name]
+        dst = root / sub / there
+        tmp = dst.with_name(dst.name + f".refresh-{os.getpid()}")
+        if name == "metrics.json":
+            tmp.write_text(json.dumps({**shipped_metrics, "assembled": metrics["assembled"]}, indent=2))
+        else:
+            shutil.copyfile(weights / name, tmp)
+        os.replace(tmp, dst)
+    return stale
 
 
 def _save_16bit(src: Path, dst: Path) -> None:
