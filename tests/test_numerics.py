@@ -161,7 +161,8 @@ def test_the_probed_row_counts_round_as_a_large_batch():
     gives a 800-row product's rows bitwise, at two offsets (fp32 and bf16 ``F.linear``, and fp32
     products on half weights where this CPU has them, the demo target's shapes; on half weights
     the probe covers the grid's counts to WIDE_ROWS). Where it calls a count of half weights
-    disagreeing, that count gives some other rows here too: the probe is not vacuous."""
+    disagreeing (on an AVX2-only EPYC it does; on one with AVX-512 BF16, none), that count gives
+    some other rows here too: the probe is not vacuous."""
     import torch.nn.functional as F
 
     from specdec.batch import numerics
@@ -189,7 +190,9 @@ def test_the_probed_row_counts_round_as_a_large_batch():
                 if op == "packed16":
                     grid = sorted({numerics.on_grid(n) for n in range(1, top + 1)})
                     odd = [m for m in grid if m not in agreeing]
-                    assert odd and all(any(not torch.equal(product(x[s: s + m]), ref[s: s + m]) for s in range(0, 32, 1))
+                    # None where the kernel rounds every count alike (FBGEMM's fp16 product on a 2-core
+                    # AMD EPYC with AVX-512 BF16): then the check above covered the whole grid.
+                    assert all(any(not torch.equal(product(x[s: s + m]), ref[s: s + m]) for s in range(0, 32, 1))
                                        for m in odd[:3]), odd
 
 
