@@ -126,8 +126,8 @@ def load(levels=(4, 16), requests: int = 2, max_tokens: int = 64) -> None:
           f"{requests} requests per stream")
     for level in levels:
         for name, mode, guarded in (("off", "off", True), ("auto", "auto", True), ("auto-noguard", "auto", False)):
-            engine.loop.guard = guard if guarded else type("Open", (), {"allow": lambda self, rows: True,
-                                                                        "observe": lambda self, *a, **k: None})()
+            engine.loop.guard = guard if guarded else type("Open", (), {"allow": lambda self, rows, observed=True: True,
+                                                                        "observe": lambda self, *a, **k: None})()  # noqa: E501
             engine.loop.timings.clear()
             tokens = [0]
             lock = threading.Lock()
