@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec.sampling import draw
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -129,5 +131,5 @@ def verify_sampled(
         )
     else:
         row = target_probs[k]
-    last = int(torch.multinomial(row, 1, generator=generator))
+    last = draw(row, generator)
     return Verdict(tokens=accepted + [last], num_accepted=n, num_drafted=k)

@@ -117,11 +117,12 @@ def test_sampled_structured_output_has_the_constrained_distribution(pair, monkey
     engine, model = pair["engine"], pair["target"]
     ids = engine.encode(prompt=PROMPTS[1])
     exact = _exact(model, ids, grammar.tracker(), set(engine.eos_token_ids))
+    longest = max(map(len, exact))  # room for every allowed sequence (a spelled-out one takes 14 tokens)
 
     def sample(n: int) -> Counter:
         counts: Counter = Counter()
         for base in range(0, n, 16):
-            handles = [engine.loop.submit(engine.request(ids, max_tokens=12, mode="draft", k=3, grammar=CHOICES,
+            handles = [engine.loop.submit(engine.request(ids, max_tokens=longest, mode="draft", k=3, grammar=CHOICES,
                                                          params=SamplingParams(temperature=1.0, seed=s)))
                        for s in range(base, min(n, base + 16))]
             for h in handles:

@@ -4,7 +4,8 @@ import pytest
 import torch
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
-from specdec.sampling import SamplingParams, logits_to_probs, make_generator
+from specdec import sampling
+from specdec.sampling import SamplingParams, draw, logits_to_probs, make_generator
 
 
 def test_greedy_is_one_hot_argmax():
@@ -39,10 +40,46 @@ def test_seeded_generator_is_reproducible():
 
     def draws(seed):
         gen = make_generator(seed)
-        return [int(torch.multinomial(probs, 1, generator=gen)) for _ in range(20)]
+        return [draw(probs, gen) for _ in range(20)]
 
     assert draws(7) == draws(7)
     assert draws(7) != draws(8)
+
+
+SIGNIFICANCE = 1e-3
+
+
+def _draw_pvalue(draw_fn, weights: torch.Tensor, n: int = 20000) -> tuple[float, torch.Tensor]:
+    from scipy.stats import chisquare
+
+    gen = make_generator(1234)
+    counts = torch.bincount(torch.tensor([draw_fn(weights, gen) for _ in range(n)]), minlength=len(weights))
+    mass = weights > 0
+    expected = weights.double()[mass] / weights.double().sum() * n
+    return float(chisquare(counts[mass].double().numpy(), expected.numpy()).pvalue), counts
+
+
+def test_draw_gives_each_id_its_probability_and_never_one_of_probability_zero():
+    """``draw`` (inverse transform sampling, one uniform a token) over unnormalised weights with
+    zeros, first and last included: 20,000 draws pass the chi-square test at significance 1e-3
+    and never land on a zero. Negative control: the same draw with the uniform not scaled by the
+    total (as if the weights summed to 1, a residual left unnormalised) fails it."""
+    weights = torch.tensor([0.0, 0.6, 0.0, 0.3, 0.9, 0.0, 0.05, 1.2, 0.0])  # sums to 3.05
+    pvalue, counts = _draw_pvalue(draw, weights)
+    assert pvalue > SIGNIFICANCE
+    assert counts[weights == 0].sum() == 0
+
+    def unscaled(probs, generator):
+        u = torch.rand(1, generator=generator, dtype=torch.float64)
+        return int(torch.searchsorted(probs.double().cumsum(-1), u, right=True))
+
+    assert _draw_pvalue(unscaled, weights)[0] < SIGNIFICANCE
+
+
+def test_draw_at_the_top_of_the_unit_interval_takes_the_last_id_with_mass(monkeypatch):
+    """A uniform that rounds ``u * total`` up to the total still gives an id that has mass."""
+    monkeypatch.setattr(sampling.torch, "rand", lambda *a, **k: torch.tensor([1.0], dtype=torch.float64))
+    assert draw(torch.tensor([0.2, 0.5, 0.3, 0.0, 0.0]), make_generator(0)) == 2
 
 
 @pytest.mark.parametrize(

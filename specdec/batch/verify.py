@@ -8,7 +8,7 @@ a row's randomness never depends on what it is batched with.
 
 The scalar functions in ``specdec.verify`` are the oracle: for the same logits and seed every
 row's ``Verdict`` here equals ``verify_greedy`` / ``verify_sampled`` on that row alone
-(same random draws in the same order: ``rand(k)``, then one ``multinomial``).
+(same random draws in the same order: ``rand(k)``, then one ``specdec.sampling.draw``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec import trees
-from specdec.sampling import SamplingParams, make_generator, penalize
+from specdec.sampling import SamplingParams, draw, make_generator, penalize
 from specdec.verify import Verdict, acceptance_probs, residual_distribution
 
 
@@ -242,7 +242,7 @@ def _reject_sample(row: VerifyRow, p: torch.Tensor) -> Verdict:
         last_row = residual_distribution(p[n], None if q is None else q[n], row.drafts[n])
     else:
         last_row = p[k]
-    last = int(torch.multinomial(last_row, 1, generator=generator))
+    last = draw(last_row, generator)
     return Verdict(tokens=row.drafts[:n] + [last], num_accepted=n, num_drafted=k)
 
 
@@ -301,7 +301,7 @@ def _sample_tree(row: VerifyRow, p: torch.Tensor) -> Verdict:
                 break
             cur = remove_candidate(cur, x)
         if accepted is None:
-            last = int(torch.multinomial(cur, 1, generator=generator))
+            last = draw(cur, generator)
             tokens = [row.drafts[c] for c in path] + [last]
             return Verdict(tokens=tokens, num_accepted=len(path), num_drafted=len(row.drafts), path=tuple(path))
         path.append(accepted)

@@ -22,7 +22,7 @@ from specdec.batch.blocks import BLOCK
 from specdec.batch.verify import batched_probs
 from specdec import grammar as grammars
 from specdec.grammar import GrammarSpec
-from specdec.sampling import SamplingParams, make_generator, penalize
+from specdec.sampling import SamplingParams, draw, make_generator, penalize
 
 
 @dataclass(frozen=True)
@@ -182,7 +182,7 @@ class Chains:
             else:
                 q = probs[at]
                 at += 1
-                token = int(torch.multinomial(q, 1, generator=self.gens[i]))
+                token = draw(q, self.gens[i])
                 self.qs[i].append(q)
                 confidence = float(q[token])
             self.tokens[i].append(token)
