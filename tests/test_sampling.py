@@ -5,7 +5,7 @@ import torch
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from specdec import sampling
-from specdec.sampling import SamplingParams, draw, logits_to_probs, make_generator
+from specdec.sampling import SamplingParams, draw, logits_to_probs, make_generator, nucleus
 
 
 def test_greedy_is_one_hot_argmax():
@@ -44,6 +44,32 @@ def test_seeded_generator_is_reproducible():
 
     assert draws(7) == draws(7)
     assert draws(7) != draws(8)
+
+
+def _sorted_nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The reference: sort the whole row, keep each token while the mass before it is below top_p."""
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    sorted_probs = sorted_logits.softmax(-1)
+    drop = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p
+    drop[..., 0] = False
+    return logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), -math.inf)
+
+
+def test_the_nucleus_from_a_partial_top_k_equals_a_sort_of_the_whole_vocabulary():
+    """``nucleus`` starts from 8 candidates of 3,000 here: a peaked row is decided by them, a flat
+    one (its nucleus holds hundreds of tokens) after widening; a row at top_p 1 and a top-k'd
+    row (-inf past its k) come out as the reference's (a sort of the whole vocabulary) gives."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 3000, generator=gen, dtype=torch.float64)
+    logits[0] *= 8  # peaked: a handful of tokens hold 0.9
+    logits[3] = logits[3].masked_fill(logits[3] < torch.topk(logits[3], 40).values[-1], -math.inf)
+    top_p = torch.tensor([0.9, 1.0, 0.95, 0.7], dtype=torch.float64)
+    got = nucleus(logits, top_p, first=8)
+    for row, p in enumerate(top_p.tolist()):
+        want = logits[row] if p == 1.0 else _sorted_nucleus(logits[row], p)
+        assert torch.equal(got[row], want), row
+    kept = torch.isfinite(got).sum(-1).tolist()
+    assert kept[0] < 8 < kept[2] and kept[1] == 3000, kept  # both paths ran
 
 
 SIGNIFICANCE = 1e-3

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec import trees
-from specdec.sampling import SamplingParams, draw, make_generator, penalize
+from specdec.sampling import SamplingParams, draw, make_generator, nucleus, penalize
 from specdec.verify import Verdict, acceptance_probs, residual_distribution
 
 
@@ -79,21 +79,13 @@ def batched_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
         floor = logits.amax(-1, keepdim=True) + torch.log(min_p)[:, None]
         logits = logits.masked_fill(logits < floor, -math.inf)
     top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else 0 for p in params], device=dev)
-    if top_k.any():
-        sorted_desc = torch.sort(logits, dim=-1, descending=True).values
-        kth = sorted_desc.gather(-1, (top_k - 1).clamp(min=0)[:, None])
+    if top_k.any():  # each row's k-th largest logit, from one partial top-k of the largest k
+        largest = torch.topk(logits, int(top_k.max()), dim=-1).values
+        kth = largest.gather(-1, (top_k - 1).clamp(min=0)[:, None])
         kth = torch.where(top_k[:, None] > 0, kth, torch.full_like(kth, -math.inf))
         logits = logits.masked_fill(logits < kth, -math.inf)
     top_p = torch.tensor([p.top_p for p in params], device=dev)
-    if (top_p < 1.0).any():
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        sorted_probs = sorted_logits.softmax(-1)
-        mass_before = sorted_probs.cumsum(-1) - sorted_probs
-        drop_sorted = (mass_before >= top_p[:, None]) & (top_p < 1.0)[:, None]
-        drop_sorted[:, 0] = False  # the most likely token stays (a tiny top_p is 0 in float32)
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, -math.inf)
-    return logits.softmax(-1)
+    return nucleus(logits, top_p).softmax(-1)
 
 
 def verify_batch(rows: list[VerifyRow], logits: torch.Tensor) -> list[Verdict]:
