@@ -133,8 +133,8 @@ def nucleus(logits: torch.Tensor, top_p: torch.Tensor, first: int = NUCLEUS_FIRS
     is below ``top_p``; the most likely one always (a ``top_p`` below float32's range is 0).
     It lies among a row's most likely tokens that hold ``top_p`` of its mass, so a partial
     top-k of ``first`` candidates (times 4 until every row's hold enough) decides it: the same
-    tokens as sorting the whole vocabulary, without the sort (49,152 ids: 0.11 against 4.1 ms a
-    row on a 2-core AMD EPYC with AVX-512 BF16).
+    tokens as sorting the whole vocabulary, without the sort (49,152 ids, one row at top_p 0.9:
+    ``batched_probs`` 0.45 against 4.1 ms on a 2-core AMD EPYC with AVX-512 BF16).
 
         >>> nucleus(torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]])), torch.tensor([0.8]), first=2)
         tensor([[-0.6931, -1.6094, -1.8971,    -inf,    -inf]])
