@@ -614,10 +614,18 @@ def test_quick_tiny_run_writes_every_field(tiny_home, capsys):
     assert {t["target"] for t in report["targets"]} >= {
         "draft >= transformers assisted", "ngram >= transformers prompt lookup", "efficiency >= 0.85",
         "auto >= 0.95x plain", "plain TPOT <= 1.1x target step"}
+    # Each workload's plain step is timed at its own decode context: its median prompt and half an
+    # answer (a step attends to all of it), in the same repetitions as the step at the cost context.
+    contexts, steps = report["decode_contexts"], report["costs"]["steps"]
+    for w, info in report["workloads"].items():
+        assert contexts[w] == info["median_prompt_tokens"] + report["options"]["max_tokens"] // 2
+        assert steps[str(contexts[w])] > 0
+    assert steps[str(report["costs"]["context_tokens"])] == report["costs"]["target_step_s"]
+    assert "plain step at each workload's decode context (tokens): chat " in table
     for t in report["targets"]:  # what the loop adds to a lone stream's step, per workload
         if t["target"] == "plain TPOT <= 1.1x target step":
             off = next(r for r in rows if r["workload"] == t["scope"] and r["name"] == "off")
-            assert t["value"] == pytest.approx(off["tpot_s"]["p50"] / report["costs"]["target_step_s"])
+            assert t["value"] == pytest.approx(off["tpot_s"]["p50"] / steps[str(contexts[t["scope"]])])
     # The transformers hook used to count assisted rounds is restored.
     assert vars(GenerationMixin)["_get_candidate_generator"] is original_hook
     assert "== transformers settings (as transformers applied them) ==" in table
@@ -689,6 +697,28 @@ def test_quick_tiny_run_with_a_server(tiny_home, fake_url, capsys):
                     '{"mode": "eagle", "num_speculative_tokens": 4}', '{"mode": "auto"}',
                     '{"mode": "draft_tree", "num_speculative_tokens": 4}', '{"mode": "eagle_tree", "num_speculative_tokens": 4}',
                     '{"mode": "medusa", "num_speculative_tokens": 4}', '{"mode": "medusa_tree", "num_speculative_tokens": 4}'}
+
+
+def test_plain_tpot_is_compared_with_the_step_at_its_workloads_decode_context():
+    from specdec.bench.costs import Costs
+    from specdec.bench.report import targets
+
+    costs = Costs(100, 0.020, None, steps={100: 0.020, 300: 0.030})
+
+    def off(workload, tpot):
+        return {"name": "off", "workload": workload, "runner": "ours", "mode": "off", "tpot_s": {"p50": tpot},
+                "tokens_per_s": {"median": 1 / tpot}, "efficiency": None, "speedup": None}
+
+    rows = [off("chat", 0.021), off("code", 0.032)]
+    got = {t["scope"]: t for t in targets(rows, costs, {"chat": 100, "code": 300})}
+    assert got["code"]["value"] == pytest.approx(0.032 / 0.030) and got["code"]["met"]
+    assert "step 30.0 ms at 300 tokens" in got["code"]["detail"] and "20.0 ms at 100" in got["code"]["detail"]
+    # A workload whose context was not timed (an older report, no contexts) falls back to the
+    # cost context's step, and says so.
+    got = {t["scope"]: t for t in targets(rows, costs, {"chat": 100, "code": 999})}
+    assert got["code"]["value"] == pytest.approx(0.032 / 0.020) and not got["code"]["met"]
+    assert "at 100 tokens" in got["code"]["detail"]
+    assert targets(rows, costs)[1]["value"] == pytest.approx(0.032 / 0.020)
 
 
 def test_ideal_from_measured_tokens_credits_runs_of_acceptance():

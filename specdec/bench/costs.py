@@ -5,7 +5,10 @@ attention the step loop uses, outside the loop, one row per pass): after prefill
 prompt, a 1-token forward with the cache is one *step*; a ``(k + 1)``-token forward is a
 verify pass, reported relative to a step. Every pass is rolled back to the prompt, so all see
 the same context length, and the kinds are interleaved so machine noise hits them alike;
-medians over ``reps``. The target is timed in the numerics the step loop runs it in
+medians over ``reps``. A plain step is also timed at other context lengths (``step_contexts``:
+the bench's workloads decode over longer contexts than the median prompt, and a step's
+attention grows with its context), each on a pool of its own, in the same repetitions.
+The target is timed in the numerics the step loop runs it in
 (``invariant``): batch-invariant numerics pad a step's products and group its queries
 (``specdec.batch.numerics``, ``specdec.batch.attention``), which costs a lone bf16 step of the
 demo target about a fifth more on a 2-core AMD EPYC with AVX-512 BF16 (49-50 ms against 37-45
@@ -30,6 +33,13 @@ class Costs:
     draft_step_s: float | None  # None without a draft model
     verify_s: dict[int, float] = field(default_factory=dict)  # k -> (k + 1)-token forward time
     numerics: str = "fast"  # the target's: "batch_invariant" or "fast"
+    steps: dict[int, float] = field(default_factory=dict)  # context tokens -> a 1-token step there
+
+    def step_at(self, context: int | None) -> tuple[int, float]:
+        """(context, step seconds): the step timed at ``context``, else the one at ``context_tokens``."""
+        if context is not None and context in self.steps:
+            return context, self.steps[context]
+        return self.context_tokens, self.target_step_s
 
     @property
     def c(self) -> float | None:
@@ -49,6 +59,7 @@ class Costs:
             "c": self.c,
             "numerics": self.numerics,
             "v": {str(k): val for k, val in self.v.items()},
+            "steps": {str(n): t for n, t in sorted(self.steps.items())},
         }
 
 
@@ -68,11 +79,13 @@ def _timed_pass(runner: BatchRunner, context: list[int], extra: list[int]) -> fl
 
 def measure_costs(
     target_model, draft_model, context: list[int], ks: list[int], *, reps: int = 20, warmup: int = WARMUP_REPS,
-    on_rep: Callable[[], None] = lambda: None, invariant: bool = False,
+    on_rep: Callable[[], None] = lambda: None, invariant: bool = False, step_contexts: tuple[int, ...] = (),
 ) -> Costs:
     """Median step and verify times over ``reps`` interleaved repetitions; ``on_rep`` is called
     after each of the ``warmup + reps`` repetitions. ``invariant``: time the target in
-    batch-invariant numerics (as a step loop so configured runs it)."""
+    batch-invariant numerics (as a step loop so configured runs it). ``step_contexts``: context
+    lengths at which a plain step is timed too (``Costs.steps``; ``context``'s tokens repeated:
+    a step's cost depends on how many tokens it attends to, not which)."""
     if len(context) < 2:
         raise ValueError("cost measurement needs a context of at least 2 tokens")
     ks = sorted({k for k in ks if k >= 1})
@@ -84,7 +97,14 @@ def measure_costs(
     for runner in (target, draft):  # prefill
         if runner is not None:
             runner.forward([BatchRow(KEY, context, 1, run_of(1, size))])
-    times: dict[str, list[float]] = {"target": [], "draft": [], **{f"v{k}": [] for k in ks}}
+    longer: dict[int, tuple[BatchRunner, list[int]]] = {}
+    for n in sorted({n for n in step_contexts if n >= 2 and n != len(context)}):
+        ids = (context * (n // len(context) + 2))[: n + 1]
+        runner = BatchRunner(target_model, capacity_tokens=n + 1, invariant=invariant)
+        runner.forward([BatchRow(KEY, ids[:n], 1, run_of(1, n + 1))])
+        longer[n] = runner, ids
+    times: dict[str, list[float]] = {"target": [], "draft": [], **{f"v{k}": [] for k in ks},
+                                     **{f"at{n}": [] for n in longer}}
     try:
         for rep in range(warmup + reps):
             sample = {"target": _timed_pass(target, context, extra[:1])}
@@ -92,6 +112,8 @@ def measure_costs(
                 sample["draft"] = _timed_pass(draft, context, extra[:1])
             for k in ks:
                 sample[f"v{k}"] = _timed_pass(target, context, extra[: k + 1])
+            for n, (runner, ids) in longer.items():
+                sample[f"at{n}"] = _timed_pass(runner, ids[:n], ids[n:])
             if rep >= warmup:
                 for key, t in sample.items():
                     times[key].append(t)
@@ -100,6 +122,8 @@ def measure_costs(
         target.release(KEY)
         if draft is not None:
             draft.release(KEY)
+        for runner, _ in longer.values():
+            runner.release(KEY)
     target_step = statistics.median(times["target"])
     return Costs(
         context_tokens=len(context),
@@ -107,4 +131,5 @@ def measure_costs(
         draft_step_s=statistics.median(times["draft"]) if draft is not None else None,
         verify_s={k: statistics.median(times[f"v{k}"]) for k in ks},
         numerics="batch_invariant" if invariant else "fast",
+        steps={len(context): target_step, **{n: statistics.median(times[f"at{n}"]) for n in longer}},
     )

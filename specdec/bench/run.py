@@ -143,6 +143,18 @@ def _cost_context(prompts: list[Prompt]) -> list[int]:
     return lengths[len(lengths) // 2].ids
 
 
+def _decode_contexts(prompts: list[Prompt], max_tokens: int) -> dict[str, int]:
+    """Each workload's typical decode context: its median prompt and half an answer (a step
+    attends to its whole context, so a run's mean step is the one halfway through it)."""
+    return {w: _median_prompt([p for p in prompts if p.workload == w]) + max_tokens // 2
+            for w in dict.fromkeys(p.workload for p in prompts)}
+
+
+def _median_prompt(prompts: list[Prompt]) -> int:
+    lengths = sorted(len(p.ids) for p in prompts)
+    return lengths[len(lengths) // 2]
+
+
 def run_bench(opts: BenchOptions, progress: Progress = QUIET) -> dict:
     """Run the benchmark; return the report (what ``--out`` writes)."""
     import transformers
@@ -216,9 +228,11 @@ def _costs(bench: Bench, opts: BenchOptions, prompts: list[Prompt], phase: Phase
     policy = getattr(bench.engine, "policy_config", None)
     k_max, nodes = getattr(policy, "k_max", 8), getattr(policy, "tree_nodes", 16)
     cost_ks = sorted(set(range(1, max(opts.ks) + 1)) | {k_max, HF_LOOKUP_DEFAULT_TOKENS, nodes})
-    phase.now(f"c and v(k) for k in {cost_ks}, {len(context)}-token context")
+    contexts = _decode_contexts(prompts, opts.max_tokens)
+    phase.now(f"c and v(k) for k in {cost_ks}, {len(context)}-token context; steps at {sorted(set(contexts.values()))}")
     return compute.run(measure_costs, bench.target_model, bench.draft_model, context, cost_ks,
-                       reps=opts.cost_reps, on_rep=phase.advance, invariant=bench.numerics == "batch_invariant")
+                       reps=opts.cost_reps, on_rep=phase.advance, invariant=bench.numerics == "batch_invariant",
+                       step_contexts=tuple(contexts.values()))
 
 
 def _warm_up(bench: Bench, opts: BenchOptions, prompt: Prompt, active: list[BenchConfig], skipped: list[dict],
@@ -297,6 +311,7 @@ def _rows(opts: BenchOptions, prompts: list[Prompt], active: list[BenchConfig],
 def _report(bench: Bench, opts: BenchOptions, started: float, prompts: list[Prompt], costs, rows: list[dict],
             skipped: list[dict], concurrency: dict | None) -> dict:
     policy = getattr(bench.engine, "policy_config", None)
+    contexts = _decode_contexts(prompts, opts.max_tokens)
     return {
         "schema": SCHEMA_VERSION,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -316,14 +331,23 @@ def _report(bench: Bench, opts: BenchOptions, started: float, prompts: list[Prom
         "skipped": skipped,
         "http": {"url": opts.url, "model": bench.client.model if bench.client else None,
                  "concurrency": concurrency} if opts.url else None,
-        "targets": targets(rows, costs),
+        "decode_contexts": contexts,
+        "targets": targets(rows, costs, contexts),
         "peak_rss_mb": peak_rss_mb(),
     }
 
 
+def _steps_line(report: dict) -> str:
+    """The plain step at each workload's decode context (what its TPOT is compared with)."""
+    steps, contexts = report["costs"].get("steps", {}), report.get("decode_contexts", {})
+    at = [f"{w} {n}: {steps[str(n)] * 1e3:.2f} ms" for w, n in contexts.items() if str(n) in steps]
+    return "\nplain step at each workload's decode context (tokens): " + ", ".join(at) if at else ""
+
+
 def _workload_info(prompts: list[Prompt]) -> dict:
     return {"prompts": len(prompts), "temperature": prompts[0].temperature if prompts else None,
-            "mean_prompt_tokens": statistics.mean(len(p.ids) for p in prompts) if prompts else None}
+            "mean_prompt_tokens": statistics.mean(len(p.ids) for p in prompts) if prompts else None,
+            "median_prompt_tokens": _median_prompt(prompts) if prompts else None}
 
 
 def _version(package: str) -> str | None:
@@ -351,7 +375,7 @@ def render(report: dict) -> str:
             "-" if report["costs"]["c"] is None else f"{report['costs']['c']:.3f}",
             ", ".join(f"{k}:{v:.2f}" for k, v in report["costs"]["v"].items() if k != "0"),
             report["costs"]["context_tokens"],
-        ),
+        ) + _steps_line(report),
         "",
         format_table(report["configurations"]),
     ]
