@@ -15,7 +15,8 @@ soak, each on its own local cluster (``deployments.cluster``), each printing a t
   warm-up and at the end, each against a stated bound.
 
 Configs are ``serve_config.yaml``-shaped dicts; ``tiny_config`` makes one of the tiny test
-models (fp32: token-identical checks).
+models (fp32: token-identical checks), in the layout with an Ingress deployment unless told
+otherwise (``separate_ingress``: the faults kill its replica too).
 """
 
 from __future__ import annotations
@@ -31,16 +32,21 @@ import yaml
 
 from deployments import load, processes
 from deployments.cluster import LocalCluster
+from deployments.config import INGRESS_MAX_ONGOING, INGRESS_MAX_QUEUED, UNIT_MAX_QUEUED
 
 APP = "specdec"
 MODEL = "tiny"
 
 
-def tiny_config(pair: dict, *, port: int, colocation: str = "in_process", base: Path | None = None) -> dict:
+def tiny_config(pair: dict, *, port: int, colocation: str = "in_process", base: Path | None = None,
+                ingress: str = "separate") -> dict:
     """``base`` (the repo's serve_config.yaml by default) serving a tiny ``pair`` in fp32 on
-    127.0.0.1:``port`` as model ``tiny``."""
+    127.0.0.1:``port`` as model ``tiny``; ``ingress``: "separate" (``separate_ingress``) or
+    "as configured" (``base``'s own layout)."""
     base = base or Path(__file__).resolve().parents[1] / "serve_config.yaml"
     config = yaml.safe_load(base.read_text())
+    if ingress == "separate":
+        config = separate_ingress(config)
     config["http_options"].update(host="127.0.0.1", port=port)
     args = config["applications"][0]["args"]
     models = args["models"]
@@ -52,6 +58,28 @@ def tiny_config(pair: dict, *, port: int, colocation: str = "in_process", base: 
     args["resources"] = {"target_cpus": 0.5, "draft_cpus": 0.25, "router_cpus": 0.1}
     args.pop("torch_threads", None)
     args["draft_timeout_s"] = 3.0
+    return config
+
+
+def separate_ingress(config: dict) -> dict:
+    """``config`` with an Ingress deployment before its unit (``ingress: separate``, the layout
+    of several models and of cluster/) instead of the unit serving HTTP itself (serve_config.yaml's
+    ``in_unit``). The unit keeps its flags and health checks and now admits its own
+    ``max_concurrent_requests`` (the builder's) with ``UNIT_MAX_QUEUED`` waiting per caller; the
+    Ingress admits and queues what the builder gives it, refusing past that as the unit did."""
+    config = copy.deepcopy(config)
+    app = _app(config)
+    if app["args"].get("ingress", "separate") == "separate":
+        return config
+    app["args"]["ingress"] = "separate"
+    router = _router(config)
+    refusal = router.get("backpressure_config", {"status_code": 503, "retry_after_s": 2})
+    router.pop("max_ongoing_requests", None)
+    router.update(max_queued_requests=UNIT_MAX_QUEUED, backpressure_config={**refusal, "retry_after_s": 5})
+    ingress = {"name": "Ingress", "num_replicas": 1, "max_ongoing_requests": INGRESS_MAX_ONGOING,
+               "health_check_period_s": router.get("health_check_period_s", 2),
+               "max_queued_requests": INGRESS_MAX_QUEUED, "backpressure_config": refusal}
+    app["deployments"] = [router, ingress]
     return config
 
 

@@ -32,6 +32,7 @@ from deployments.autoscaling import (
     unit_capacity,
 )
 from deployments.lint import lint_config
+from deployments.operate import separate_ingress
 from deployments.router import SpecRouter
 from specdec.stats import RoundStats
 
@@ -208,8 +209,9 @@ PORT = 8125
 
 
 def autoscaling_config(pair) -> dict:
-    """serve_config.yaml with the tiny pair, two units' worth of CPUs and our policy."""
-    config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    """serve_config.yaml (with an Ingress deployment) with the tiny pair, two units' worth of CPUs
+    and our policy."""
+    config = separate_ingress(yaml.safe_load((ROOT / "serve_config.yaml").read_text()))
     config["http_options"]["port"] = PORT
     app = config["applications"][0]
     app["args"].update(

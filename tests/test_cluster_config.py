@@ -15,6 +15,7 @@ from deployments.app import unit_bundles
 from deployments.autoscaling import POLICY_PATH
 from deployments.config import UnitArgs
 from deployments.lint import lint_config, lint_file
+from deployments.operate import separate_ingress
 from specdec.cli import main as specdec_main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -170,7 +171,8 @@ LOCAL_CONFIG = ROOT / "serve_config.yaml"
 
 
 def local_mutated(change) -> list[str]:
-    config = load(LOCAL_CONFIG)
+    """serve_config.yaml in the layout with an Ingress deployment, then ``change(config, unit, ingress)``."""
+    config = separate_ingress(load(LOCAL_CONFIG))
     deps = {d["name"]: d for d in config["applications"][0]["deployments"]}
     change(config, deps["SpecRouter"], deps["Ingress"])
     return lint_config(config)
@@ -238,8 +240,8 @@ def test_a_request_timeout_is_required(tmp_path):
 
 def test_the_shipped_configs_can_refuse():
     """The numbers the comments explain: a full unit answers 503/429 with Retry-After."""
-    for path, status, held, admitted in ((LOCAL_CONFIG, 503, 80, 256), (GPU_CONFIG, 429, 2080, 4096)):
-        config = load(path)
+    local = separate_ingress(load(LOCAL_CONFIG))
+    for config, status, held, admitted in ((local, 503, 80, 256), (load(GPU_CONFIG), 429, 2080, 4096)):
         assert config["http_options"]["request_timeout_s"] > 0
         deps = {d["name"]: d for d in config["applications"][0]["deployments"]}
         router, ingress = deps["SpecRouter"], deps["Ingress"]
@@ -249,17 +251,24 @@ def test_the_shipped_configs_can_refuse():
         assert ingress["max_queued_requests"] > 0
         for dep in (router, ingress):
             assert dep["backpressure_config"]["status_code"] == status and dep["backpressure_config"]["retry_after_s"] > 0
+    # serve_config.yaml itself: the unit serves HTTP. It holds 16 + 64 generations, admits more
+    # calls than that (so its own 503 fires), and the proxy's queue before it refuses with a Retry-After.
+    config = load(LOCAL_CONFIG)
+    app = config["applications"][0]
+    assert app["args"]["ingress"] == "in_unit" and [d["name"] for d in app["deployments"]] == ["SpecRouter"]
+    unit = app["deployments"][0]
+    assert unit["max_ongoing_requests"] > app["args"]["max_concurrent_requests"] + 64 == 80
+    assert unit["max_queued_requests"] > 0
+    assert unit["backpressure_config"]["status_code"] == 503 and unit["backpressure_config"]["retry_after_s"] > 0
+    assert lint_config(config) == []
 
 
 def in_unit_config(change=lambda app, unit: None) -> list[str]:
-    """serve_config.yaml switched to ``ingress: in_unit`` (its SpecRouter entry as an ingress's:
-    the builder's 256 admitted, 256 queued at the proxy), then ``change(app, unit_entry)``."""
+    """serve_config.yaml (``ingress: in_unit``: its SpecRouter entry is an ingress's, 256 admitted,
+    256 queued at the proxy), then ``change(app, unit_entry)``."""
     config = load(LOCAL_CONFIG)
     app = config["applications"][0]
-    app["args"]["ingress"] = "in_unit"
     unit = next(d for d in app["deployments"] if d["name"] == "SpecRouter")
-    unit.update(max_queued_requests=256)
-    app["deployments"] = [unit]
     change(app, unit)
     return lint_config(config)
 

@@ -34,11 +34,11 @@ def test_serve_deploy_and_status_as_the_readme_says(cluster, llama_pair):
     refused = cluster.run("serve", "status", "-a", cluster.address,
                           env={k: v for k, v in cluster.env.items() if k != "RAY_AUTH_MODE"})
     assert refused.returncode != 0 and "token" in (refused.stdout + refused.stderr).lower()
-    config = operate.tiny_config(llama_pair, port=PORT)
+    config = operate.tiny_config(llama_pair, port=PORT, ingress="as configured")  # the unit serves HTTP itself
     path = cluster.deploy(config)
     assert yaml.safe_load(path.read_text())["applications"][0]["import_path"] == "deployments.app:build_app"
     state = cluster.wait_running()
-    assert {d: s["status"] for d, s in state["deployments"].items()} == {"SpecRouter": "HEALTHY", "Ingress": "HEALTHY"}
+    assert {d: s["status"] for d, s in state["deployments"].items()} == {"SpecRouter": "HEALTHY"}
     r = httpx.post(f"http://127.0.0.1:{PORT}/v1/completions", timeout=60,
                    json={"model": operate.MODEL, "prompt": "The cat sees", "max_tokens": 8, "temperature": 0})
     assert r.status_code == 200, r.text
@@ -51,7 +51,7 @@ def test_a_rolling_upgrade_under_16_streams_loses_nothing(cluster, llama_pair, g
     while 16 streams run (greedy and seeded, streaming or not, chat and completions): no 5xx,
     nothing lost, and every greedy answer is the reference of the configuration its
     system_fingerprint names (after the model change the text changes: the fingerprint says so)."""
-    config = operate.tiny_config(llama_pair, port=PORT)
+    config = operate.tiny_config(llama_pair, port=PORT, ingress="as configured")  # the unit serves HTTP itself
     nxt = {"target": str(gpt2_pair["target"]), "draft": str(gpt2_pair["draft"])}
     rows, report = asyncio.run(operate.run_upgrade(cluster, config, nxt, streams=16, settle_s=3.0))
     print(operate.table(rows))

@@ -274,9 +274,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", help="only this running server (no in-process sweep)")
     p.add_argument("--http", action="store_true", help="also sweep through HTTP on a local Serve")
     p.add_argument("--port", type=int, default=8191, help="the local Serve's port (with --http)")
-    p.add_argument("--ingress", choices=["separate", "in_unit"], default="separate",
-                   help="the local Serve's layout (with --http): an Ingress deployment before the unit "
-                        "(serve_config.yaml's default), or the unit serving HTTP itself")
+    p.add_argument("--ingress", choices=["separate", "in_unit"], default="in_unit",
+                   help="the local Serve's layout (with --http): the unit serving HTTP itself "
+                        "(serve_config.yaml's), or an Ingress deployment before the unit (several models)")
     p.add_argument("--model", default="SmolLM2-135M-Instruct", help="served model name (with --url)")
     p.add_argument("--target", help="target model (default: the demo pair)")
     p.add_argument("--draft", help="draft model (default: the demo pair)")
