@@ -24,7 +24,7 @@ already worse (3.95 / 1.72 = 2.30), so k = 5.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -54,15 +54,24 @@ def expected_speedup(a: float, k: int, c: float, v: Callable[[int], float]) -> f
     return expected_tokens(a, k) / (k * c + v(k))
 
 
-def best_k(a: float, c: float, v: Callable[[int], float], k_max: int) -> tuple[int, float]:
+def best_k(a: float, c: float, v: Callable[[int], float] | Sequence[float], k_max: int) -> tuple[int, float]:
     """The k in [1, k_max] with the highest expected speedup, and that speedup (the first k of
-    the highest, as ``max`` gives). Every row of every step asks it for every drafter: one loop,
-    ``expected_speedup`` inlined."""
+    the highest, as ``max`` gives). ``v``: a function of k, or its values for k = 0..k_max.
+    Every row of every step asks it for every drafter: one loop, ``expected_speedup`` inlined
+    (``E(a, k) = E(a, k - 1) + a^k``).
+
+        >>> best_k(0.8, 0.1, lambda k: 1 + 0.02 * k, 8) == best_k(0.8, 0.1, [1 + 0.02 * k for k in range(9)], 8)
+        True
+    """
     expected_tokens(a, 0)  # the range check
+    if callable(v):
+        v = [v(k) for k in range(k_max + 1)]
     best, top = 0, float("-inf")
+    e, power = 1.0, 1.0
     for k in range(1, k_max + 1):
-        e = float(k + 1) if a > 1.0 - 1e-12 else (1.0 - a ** (k + 1)) / (1.0 - a)
-        s = e / (k * c + v(k))
+        power *= a
+        e += power
+        s = e / (k * c + v[k])
         if s > top:
             best, top = k, s
     return best, top
@@ -295,14 +304,14 @@ class SpeculationPolicy:
                 continue
             a = self.estimate(mode, cfg)
             c = self.costs.c(mode)
-            v = chain_v.__getitem__
+            v = chain_v
             if mode in self.tree_modes:  # depth k, the same nodes whatever k: one verify of them all
-                v = lambda k, tree=self.costs.v(self.tree_size(mode, cfg)): tree  # noqa: E731
+                v = [self.costs.v(self.tree_size(mode, cfg))] * (k_max + 1)
             if self.adaptive:
                 k, s = best_k(a, c, v, k_max)
             else:
                 k = k_max
-                s = expected_speedup(a, k, c, v)
+                s = expected_speedup(a, k, c, v.__getitem__)
             options.append((mode, k, s))
         return max(options, key=lambda o: o[2]) if options else None
 

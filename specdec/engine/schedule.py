@@ -92,10 +92,15 @@ class StepCosts:
         self._verify = _Line(PRIOR_STEP_S, prior_verify_slope)
         self._draft: dict[str, _Line] = {}
         self._lock = threading.Lock()
+        # The policy's view (``c``, ``v``), computed once between observations: every row of a
+        # step asks it for every drafter and k, and it changes only when a step is observed.
+        self._c: dict[str, float] = {}
+        self._v: dict[int, float] = {}
 
     def observe_verify(self, tokens: int, seconds: float) -> None:
         with self._lock:
             self._verify.observe(tokens, seconds)
+            self._c, self._v = {}, {}
 
     def observe_draft(self, mode: str, rows: int, seconds_per_step: float) -> None:
         with self._lock:
@@ -103,6 +108,7 @@ class StepCosts:
             if line is None:
                 line = self._draft[mode] = _Line(self.prior_c.get(mode, 0.2) * self._verify(1), 0.1)
             line.observe(rows, seconds_per_step)
+            self._c = {}
 
     def verify_s(self, tokens: int) -> float:
         return self._verify(tokens)
@@ -125,12 +131,22 @@ class StepCosts:
         return self._verify(1) if self._verify.seen else None
 
     def c(self, mode: str) -> float:
-        if mode not in self._draft or not self._verify.seen:
-            return self.prior_c.get(mode, 0.2)
-        return self.draft_step_s(mode, 1) / self._verify(1)
+        memo = self._c  # an observation between here and the store replaces it: the value is not kept
+        c = memo.get(mode)
+        if c is None:
+            if mode not in self._draft or not self._verify.seen:
+                c = self.prior_c.get(mode, 0.2)
+            else:
+                c = self.draft_step_s(mode, 1) / self._verify(1)
+            memo[mode] = c
+        return c
 
     def v(self, k: int) -> float:
-        return 1.0 if k == 0 else max(1.0, self._verify(k + 1) / self._verify(1))
+        memo = self._v
+        v = memo.get(k)
+        if v is None:
+            v = memo[k] = 1.0 if k == 0 else max(1.0, self._verify(k + 1) / self._verify(1))
+        return v
 
 
 @dataclass
