@@ -26,6 +26,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ops.add_argument("--next-draft", help="upgrade: the draft the model step changes to")
     ops.add_argument("--colocation", choices=["in_process", "actors"],
                      help="default: in_process for upgrade, actors (workers to kill and measure) otherwise")
+    ops.add_argument("--ingress", choices=["separate", "in_unit"], default="separate",
+                     help="without --config: the tiny unit behind an Ingress deployment (a cluster's layout; "
+                          "faults kill its replica too) or serving HTTP itself (serve_config.yaml's)")
     ops.add_argument("--streams", type=int, default=16)
     ops.add_argument("--duration", type=float, default=600.0, help="soak: seconds (default 10 minutes)")
     ops.add_argument("--warmup", type=float, default=120.0, help="soak: seconds before the bounds' baseline")

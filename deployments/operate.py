@@ -42,7 +42,9 @@ def tiny_config(pair: dict, *, port: int, colocation: str = "in_process", base: 
                 ingress: str = "separate") -> dict:
     """``base`` (the repo's serve_config.yaml by default) serving a tiny ``pair`` in fp32 on
     127.0.0.1:``port`` as model ``tiny``; ``ingress``: "separate" (``separate_ingress``) or
-    "as configured" (``base``'s own layout)."""
+    "as configured" (``base``'s own layout: serve_config.yaml's is ``in_unit``)."""
+    if ingress not in ("separate", "as configured"):
+        raise ValueError(f"ingress: 'separate' or 'as configured', not {ingress!r}")
     base = base or Path(__file__).resolve().parents[1] / "serve_config.yaml"
     config = yaml.safe_load(base.read_text())
     if ingress == "separate":
@@ -226,6 +228,16 @@ def _upgrade_row(step: str, i: int, prints: list, windows: list, deploy_s: float
 # --- faults -------------------------------------------------------------------------------------
 
 KILLS = ("target", "draft", "router", "ingress")
+
+
+def kills_for(config: dict) -> tuple[str, ...]:
+    """The processes ``config``'s unit has to kill, in ``KILLS`` order: workers only with
+    ``colocation: actors``, an Ingress replica only where there is an Ingress deployment (with
+    ``ingress: in_unit`` the router replica answers HTTP itself)."""
+    args = _app(config)["args"]
+    return tuple(k for k in KILLS
+                 if (k not in ("target", "draft") or args.get("colocation") == "actors")
+                 and (k != "ingress" or args.get("ingress", "separate") == "separate"))
 
 
 @dataclass
@@ -424,7 +436,8 @@ def _build_config(args, workdir: Path, colocation: str) -> tuple[dict, dict]:
     if args.what == "upgrade":
         other = build_tiny_pair(workdir / "tiny_gpt2", "gpt2")
         nxt = {"target": str(other["target"]), "draft": str(other["draft"])}
-    return tiny_config(pair, port=args.port, colocation=colocation), nxt
+    layout = "separate" if getattr(args, "ingress", "separate") == "separate" else "as configured"
+    return tiny_config(pair, port=args.port, colocation=colocation, ingress=layout), nxt
 
 
 def main(args) -> int:
@@ -453,8 +466,7 @@ def main(args) -> int:
             failed = any(r.server_errors or r.lost or r.differs for r in rows)
             out = [dataclasses.asdict(r) for r in rows]
         elif args.what == "faults":
-            kills = KILLS if colocation == "actors" else ("router", "ingress")  # in process: no workers
-            rows, _ = asyncio.run(run_faults(cluster, config, streams=args.streams, kills=kills, say=say))
+            rows, _ = asyncio.run(run_faults(cluster, config, streams=args.streams, kills=kills_for(config), say=say))
             print(table(rows))
             failed = any(r.lost or r.differs or r.restored_s is None or r.restored_s > args.restore_bound_s
                          for r in rows)

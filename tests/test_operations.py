@@ -123,6 +123,18 @@ def test_classify_tells_a_changed_answer_from_a_rerolled_sample():
     assert load.classify(bad, done([1]), refs) == "lost"  # a bad request served is a failure
 
 
+def test_the_faults_kill_what_the_layout_has(llama_pair):
+    # Behind an Ingress deployment (a cluster's layout) its replica is killed too; in
+    # serve_config.yaml's own layout the router replica answers HTTP and there is no Ingress.
+    behind = operate.tiny_config(llama_pair, port=PORT, colocation="actors")
+    assert operate.kills_for(behind) == ("target", "draft", "router", "ingress")
+    shipped = operate.tiny_config(llama_pair, port=PORT, colocation="actors", ingress="as configured")
+    assert operate.kills_for(shipped) == ("target", "draft", "router")
+    assert operate.kills_for(operate.tiny_config(llama_pair, port=PORT, ingress="as configured")) == ("router",)
+    with pytest.raises(ValueError, match="'separate' or 'as configured'"):
+        operate.tiny_config(llama_pair, port=PORT, ingress="in_unit")
+
+
 def test_the_unit_fingerprint_names_flags_speculation_and_models(llama_pair, gpt2_pair):
     config = operate.tiny_config(llama_pair, port=PORT)
     steps = operate.upgrade_steps(config, {"target": str(gpt2_pair["target"]), "draft": str(gpt2_pair["draft"])})
