@@ -124,18 +124,35 @@ def _missing(samples: dict, need: dict[str, set[str]]) -> list[str]:
 def unit(llama_pair, tmp_path_factory):
     env = pytest.MonkeyPatch()  # module-scoped: undone at teardown
     env.setenv("SPECDEC_HOME", str(tmp_path_factory.mktemp("specdec_home")))  # traces go here
-    metrics_port, http_port = _free_port(), _free_port()
+    metrics_port = _free_port()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_port,
              _system_config={"metrics_report_interval_ms": 1000})
-    serve.start(http_options={"host": "127.0.0.1", "port": http_port})
-    args = {"models": {"target": str(llama_pair["target"]), "draft": str(llama_pair["draft"]),
-                       "dtype": "float32", "served_model_name": MODEL},
-            "colocation": "in_process"}
-    serve.run(bind_app(args, user_config=FALLBACK_POLICY), name="metrics", route_prefix="/")
-    yield {"metrics_port": metrics_port, "base": f"http://127.0.0.1:{http_port}"}
-    serve.shutdown()
-    ray.shutdown()
-    env.undo()
+    try:  # a failed setup must not leave this Ray running for the modules after it
+        http_port = _start_serve()
+        args = {"models": {"target": str(llama_pair["target"]), "draft": str(llama_pair["draft"]),
+                           "dtype": "float32", "served_model_name": MODEL},
+                "colocation": "in_process"}
+        serve.run(bind_app(args, user_config=FALLBACK_POLICY), name="metrics", route_prefix="/")
+        yield {"metrics_port": metrics_port, "base": f"http://127.0.0.1:{http_port}"}
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        env.undo()
+
+
+def _start_serve(tries: int = 3) -> int:
+    """Serve on a free port, picked once Ray's own processes hold theirs: a port free a moment
+    ago can be taken by one of them before the proxy binds it (CI saw 'Failed to bind')."""
+    for attempt in range(tries):
+        port = _free_port()
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            return port
+        except Exception:
+            serve.shutdown()
+            if attempt == tries - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 @pytest.fixture(scope="module")
