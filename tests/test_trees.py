@@ -171,9 +171,10 @@ def test_trees_chains_and_plain_rows_share_steps_joining_and_leaving(engine):
 
 def test_tree_verification_keeps_the_target_distribution(llama_pair, monkeypatch):
     """Chi-square over 4 sampled tokens (top_k=3: 81 cells, cells expected below 5 pooled) at
-    significance 1e-3, 3,000 seeded samples of mode draft_tree, 16 at a time. Negative control:
-    the same test with a verifier that skips the residual update after a rejected candidate
-    (it samples from p again, rejected token included) must fail."""
+    significance 1e-3, 3,000 seeded samples of mode draft_tree, 16 at a time: candidates drawn
+    from q without replacement, recursive rejection sampling. Negative control: the same test
+    with a verifier that skips the residual update after a rejected candidate (it tries the next
+    one against p again) must fail."""
     import specdec.batch.verify as batch_verify
 
     engine = Engine.load(ModelConfig(target=str(llama_pair["target"]), draft=str(llama_pair["draft"]), dtype="float32"),
@@ -183,7 +184,7 @@ def test_tree_verification_keeps_the_target_distribution(llama_pair, monkeypatch
     n = 3000
     honest = batched_result(engine, ids, n, "draft_tree", k=2, length=4)
     assert honest["drafted"] >= 2 * n and honest["impossible"] == 0 and honest["p"] > 1e-3, honest
-    monkeypatch.setattr(batch_verify, "remove_candidate", lambda p, token: p)
+    monkeypatch.setattr(batch_verify, "rejection_residual", lambda p, q: p)
     control = batched_result(engine, ids, n, "draft_tree", k=2, length=4)
     assert control["impossible"] > 0 or control["p"] < 1e-3, control
 
@@ -213,3 +214,138 @@ def test_point_mass_candidates_leave_p_exactly_analytically():
         assert torch.allclose(emitted(remove_candidate), p, atol=1e-12)
         if 0 < float(p[candidates[0]]) < 1:
             assert not torch.allclose(emitted(lambda q, x: q), p, atol=1e-6)
+
+
+def test_recursive_rejection_over_a_draw_without_replacement_leaves_p_exactly_analytically():
+    """In float64: the token a node emits under ``recursive_rejection``, averaged over every
+    ordered draw of m candidates without replacement from q (each with its probability
+    prod_j q_j(x_j)), is distributed as p, for q far from p and near it, with zeros in either;
+    and it is not with the residual update skipped, nor with q kept whole after a draw (a
+    verifier that forgets the draw was without replacement)."""
+    import itertools
+
+    from specdec.batch import verify as bv
+
+    def emitted(p, q, m, residual=bv.rejection_residual, drop=bv.drop_drawn):
+        out = torch.zeros_like(p)
+        for draw in itertools.permutations(range(len(p)), m):
+            weight, qj = 1.0, q
+            for x in draw:  # the draw's probability: each candidate from q without the earlier ones
+                weight *= float(qj[x])
+                qj = bv.drop_drawn(qj, x)
+            if weight == 0:
+                continue
+            reach, pj, qj = weight, p, q
+            for x in draw:
+                accept = min(1.0, float(pj[x] / qj[x]))
+                out[x] += reach * accept
+                reach *= 1 - accept
+                pj, qj = residual(pj, qj), drop(qj, x)
+            out += reach * pj
+        return out
+
+    gen = torch.Generator().manual_seed(5)
+    for trial in range(12):
+        p = torch.rand(5, generator=gen, dtype=torch.float64) ** 2
+        q = torch.rand(5, generator=gen, dtype=torch.float64) ** (3 if trial % 2 else 0.3)
+        p[trial % 5], q[(trial + 2) % 5] = 0.0, 0.0  # a token the target never emits, one q never draws
+        p, q = p / p.sum(), q / q.sum()
+        m = 1 + trial % 3
+        assert torch.allclose(emitted(p, q, m), p, atol=1e-12), trial
+        assert not torch.allclose(emitted(p, q, m, residual=lambda a, b: a), p, atol=1e-6), trial
+        if m > 1:
+            assert not torch.allclose(emitted(p, q, m, drop=lambda a, x: a), p, atol=1e-6), trial
+
+
+def test_a_sampled_tree_draws_its_candidates_and_verifies_every_draw():
+    """A sampled row's tree carries q and the draw at each node it expanded; candidates drawn
+    but not kept as nodes are still verified: accepting one ends the round with it."""
+    from specdec.batch.verify import VerifyRow, verify_batch
+    from specdec.drafters.base import DraftRow, Trees, draw_without_replacement
+    from specdec.sampling import SamplingParams
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.tensor([[0.0, 0.6, 0.3, 0.1, 0.0]])
+    for _ in range(50):  # never a token of probability 0, never twice
+        logq, ids = draw_without_replacement(q, 4, gen)
+        drawn = [i for v, i in zip(logq[0].tolist(), ids[0].tolist()) if v > float("-inf")]
+        assert sorted(drawn) == [1, 2, 3]
+
+    params = SamplingParams(temperature=1.0)
+    row = DraftRow("r", [1, 2, 3], k=2, params=params, seed=7, nodes=2)
+    grown = Trees([row], width=3)
+    logits = torch.log(torch.tensor([[0.0, 0.5, 0.3, 0.2, 0.0]]) + 1e-30)
+    grown.extend(logits, [0])
+    grown.feed(0)
+    grown.extend(logits, [0])
+    [proposal] = grown.drafted()
+    assert len(proposal.tokens) == 2 and proposal.branches is not None
+    assert proposal.probs.shape[0] == len(proposal.branches)
+    root = dict(proposal.branches)[trees.ROOT]
+    assert len(root) == 3 and set(root) == {1, 2, 3}  # three drawn, at most two kept as nodes
+
+    # the target puts all its mass on a root candidate that is not a node: accepted, round ends
+    kept = {proposal.tokens[i] for i, parent in enumerate(proposal.parents) if parent == trees.ROOT}
+    virtual = next(t for t in root if t not in kept)
+    logits = torch.full((1 + len(proposal.tokens), 5), -1e9)
+    logits[:, virtual] = 0.0
+    [verdict] = verify_batch([VerifyRow(proposal.tokens, params, 3, proposal.probs, parents=proposal.parents,
+                                        branches=proposal.branches)], logits)
+    assert verdict.tokens == [virtual] and verdict.num_accepted == 0 and verdict.path == ()
+
+
+def test_draws_without_replacement_follow_the_sequential_law():
+    """Ordered triples from ``draw_without_replacement`` (one cumulative sum a row) against
+    their exact probability prod_j q(x_j) / (1 - q(earlier)), chi-square at significance 1e-3,
+    20,000 seeded draws, with zeros in q and a row whose support runs out; negative control:
+    the same test on draws WITH replacement (three independent draws, repeats dropped, as a
+    drafter that forgot to remove its candidates would make) must fail."""
+    import itertools
+
+    from scipy.stats import chisquare
+
+    from specdec.drafters.base import draw_without_replacement
+    from specdec.sampling import draw
+
+    q = torch.tensor([[0.05, 0.0, 0.15, 0.3, 0.5, 0.0], [0.0, 0.7, 0.0, 0.3, 0.0, 0.0]])
+    n = 20_000
+
+    def pvalue(sample) -> float:
+        counts = [{}, {}]
+        gen = torch.Generator().manual_seed(11)
+        for _ in range(n):
+            for r, drawn in enumerate(sample(gen)):
+                counts[r][drawn] = counts[r].get(drawn, 0) + 1
+        worst = 1.0
+        for r in range(2):
+            support = [i for i in range(q.shape[1]) if q[r, i] > 0]
+            exact = {}
+            for perm in itertools.permutations(support, min(3, len(support))):
+                prob, left = 1.0, 1.0
+                for x in perm:
+                    prob, left = prob * float(q[r, x]) / left, left - float(q[r, x])
+                exact[perm] = prob
+            if set(counts[r]) - set(exact):
+                return 0.0
+            keys, total = sorted(exact), sum(exact.values())  # 1 up to rounding
+            worst = min(worst, float(chisquare([counts[r].get(k, 0) for k in keys],
+                                               [exact[k] / total * n for k in keys]).pvalue))
+        return worst
+
+    def ours(gen):
+        logq, ids = draw_without_replacement(q, 3, gen)
+        return [tuple(i for v, i in zip(lq, row) if v > float("-inf")) for lq, row in zip(logq.tolist(), ids.tolist())]
+
+    def with_replacement(gen):
+        out = []
+        for r in range(2):
+            picks = []
+            for _ in range(3):
+                x = draw(q[r], gen)
+                if x not in picks:
+                    picks.append(x)
+            out.append(tuple(picks))
+        return out
+
+    assert pvalue(ours) > 1e-3
+    assert pvalue(with_replacement) < 1e-3

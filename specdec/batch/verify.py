@@ -32,7 +32,8 @@ def _pad_vocab(probs: torch.Tensor, width: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class VerifyRow:
-    """One row's drafts and how it samples. ``q``: [k, vocab] or None (point masses).
+    """One row's drafts and how it samples. ``q``: [k, vocab] or None (point masses); a sampled
+    tree's: [len(branches), vocab], the drafter's q at each node it drew candidates at.
 
     ``suppress``: token ids whose target logits are -inf at the row's first ``suppress_for``
     positions (``min_tokens``): a change of p itself, made before verification, so rejection
@@ -50,6 +51,7 @@ class VerifyRow:
     prompt_len: int = 0  # where the output starts in ``history``
     logprobs: int | None = None  # report the emitted tokens' log-probabilities and this many top ones
     allowed: torch.Tensor | None = None  # structured output: bool [k + 1, vocab], what each position may emit
+    branches: tuple[tuple[int, tuple[int, ...]], ...] | None = None  # a sampled tree's draws (``Proposal.branches``); q: their q rows
 
     def paths(self) -> list[list[int]]:
         """[k + 1] the drafts between the history and each scored position (a tree: the ancestors')."""
@@ -265,10 +267,83 @@ def remove_candidate(p: torch.Tensor, token: int) -> torch.Tensor:
     return r / total if total > 0 else p
 
 
+def drop_drawn(q: torch.Tensor, token: int) -> torch.Tensor:
+    """The draft distribution of the next candidate of a draw without replacement: ``q`` with
+    ``token`` removed and renormalised (all zeros when nothing is left)."""
+    r = q.clone()
+    r[token] = 0.0
+    total = r.sum()
+    return r / total if total > 0 else r
+
+
+def rejection_residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The target distribution after a rejected candidate drawn from ``q``: ``norm(max(p - q, 0))``
+    (``specdec.verify.residual_distribution``; ``p`` where that has no mass)."""
+    return residual_distribution(p, q, -1)
+
+
+def recursive_rejection(p: torch.Tensor, q: torch.Tensor, candidates: list[int] | tuple[int, ...],
+                        generator: torch.Generator) -> tuple[int | None, torch.Tensor]:
+    """One node of a sampled token tree: recursive rejection sampling over candidates drawn
+    WITHOUT replacement from ``q`` (Jeon et al. 2024, "Recursive Speculative Decoding"; SpecInfer's
+    multi-candidate sampling draws them with replacement). Returns (the position of the accepted
+    candidate, None if none was) and the distribution the node's token is drawn from when none was.
+
+    Candidate ``x_j`` is accepted with probability ``min(1, p_j(x_j) / q_j(x_j))``; on rejection
+    ``p_{j+1} = norm(max(p_j - q_j, 0))`` and ``q_{j+1} = q_j`` without ``x_j`` (renormalised),
+    the distribution the draw took ``x_{j+1}`` from. Each step is Leviathan et al.'s rejection
+    sampling of ``p_j`` with proposal ``q_j``: it emits ``x_j`` with probability
+    ``min(p_j, q_j)(x_j)`` and otherwise hands over ``p_{j+1}``, so by induction from the last
+    step (which draws from ``p_{m+1}``) the node emits ``p`` exactly, averaged over the draw.
+
+    p, q: [vocab] the target's and the drafter's processed distributions at the node.
+
+    >>> g = torch.Generator().manual_seed(0)
+    >>> recursive_rejection(torch.tensor([0.0, 1.0]), torch.tensor([0.5, 0.5]), [1, 0], g)[0]  # p(1)/q(1) = 2
+    0
+    """
+    for j, x in enumerate(candidates):
+        u = float(torch.rand(1, generator=generator, dtype=p.dtype))
+        if u * float(q[x]) < float(p[x]):
+            return j, p
+        p, q = rejection_residual(p, q), drop_drawn(q, x)
+    return None, p
+
+
+def _sample_drawn_tree(row: VerifyRow, p: torch.Tensor) -> Verdict:
+    """Exact sampling over a tree whose candidates were drawn from q (``row.branches``):
+    ``recursive_rejection`` at each node from the root; an accepted candidate that is a node
+    of the tree is the next node, one that is not (drawn, not kept) is the round's last token,
+    and a node without draws (a leaf) draws its token from ``p``.
+
+    p: [1 + N, vocab] the target's processed distribution at the root and every node.
+    """
+    generator = make_generator(row.seed)
+    q = _pad_vocab(row.q.to(device=p.device, dtype=p.dtype), p.shape[-1])
+    drawn = {node: (b, cands) for b, (node, cands) in enumerate(row.branches)}
+    path, node = [], trees.ROOT
+    while True:
+        last_p = p[node + 1]
+        if node in drawn:
+            b, cands = drawn[node]
+            j, last_p = recursive_rejection(last_p, q[b], cands, generator)
+            if j is not None:
+                child = next((c for c in trees.children(row.parents, node) if row.drafts[c] == cands[j]), None)
+                if child is not None:
+                    path.append(child)
+                    node = child
+                    continue
+                tokens = [row.drafts[c] for c in path] + [cands[j]]
+                return Verdict(tokens=tokens, num_accepted=len(path), num_drafted=len(row.drafts), path=tuple(path))
+        last = draw(last_p, generator)
+        tokens = [row.drafts[c] for c in path] + [last]
+        return Verdict(tokens=tokens, num_accepted=len(path), num_drafted=len(row.drafts), path=tuple(path))
+
+
 def _sample_tree(row: VerifyRow, p: torch.Tensor) -> Verdict:
     """Exact sampling over a token tree: multi-candidate speculative sampling (SpecInfer's
     multi-step speculative sampling, Miao et al. 2024; EAGLE's recursive rejection sampling)
-    with every candidate a point mass.
+    with every candidate a point mass (a tree with draws: ``_sample_drawn_tree``).
 
     At a node with candidate children ``x_1 .. x_m`` (distinct tokens, chosen from the drafter's
     own distribution, never from ``p``): accept ``x_1`` with probability ``p(x_1)``; if it is
@@ -280,6 +355,8 @@ def _sample_tree(row: VerifyRow, p: torch.Tensor) -> Verdict:
 
     p: [1 + N, vocab] the target's processed distribution at the root and every node.
     """
+    if row.branches is not None:
+        return _sample_drawn_tree(row, p)
     generator = make_generator(row.seed)
     path, node = [], trees.ROOT
     while True:

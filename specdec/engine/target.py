@@ -138,7 +138,7 @@ class TargetStep:
         verdicts = verify_batch([VerifyRow(proposals[r.key].tokens, r.params, r.target_seed, proposals[r.key].probs,
                                            r.suppress, r.suppress_for, proposals[r.key].parents,
                                            r.context if r.params.penalized else (), r.prompt_len, r.logprobs,
-                                           allowed(r, proposals[r.key], width))
+                                           allowed(r, proposals[r.key], width), proposals[r.key].branches)
                                  for r in emitting], flat)
         # 4. roll back: each row keeps its context and accepted drafts (a tree's path moved into place)
         self.runner.accept([(r.key, list(v.path)) for r, v in zip(emitting, verdicts) if v.path is not None])
