@@ -33,7 +33,7 @@ from specdec.engine import Engine
 from specdec.loading import load_model, load_tokenizer
 from specdec.models.medusa import load_medusa_heads, save_medusa_heads
 from specdec.sampling import SamplingParams
-from three_tokens import batched_test_and_control, greedy_accepted
+from three_tokens import batched_result, batched_test_and_control, greedy_accepted
 
 PROMPTS = [" ".join(p.split()[:4]) for p in synthetic_corpus(n_sentences=20, seed=99)]
 
@@ -205,7 +205,12 @@ def test_the_drafter_reads_the_last_fed_feature_once_for_all_rows(trained):
         logp = {key: torch.log_softmax(heads.logits(runner.features[slot(run_of(first, 100), len(c) - 2)][None])[0], -1)
                 for key, c, first in (("x", x, 1), ("y", y, 8), ("z", y, 22))}  # [K, V] each
     assert out.proposals[0].tokens == logp["x"].argmax(-1).tolist()  # k=5, but only 3 heads
-    assert out.proposals[1].tokens == logp["y"].argmax(-1).tolist()[:2] and out.proposals[1].probs is None
+    drawn = out.proposals[1]  # sampled: drawn from each head's q, proposed with it
+    q_y = logp["y"][:2].exp()
+    assert len(drawn.tokens) == 2 and drawn.probs.shape == (2, q_y.shape[-1]) and drawn.parents is None
+    torch.testing.assert_close(drawn.probs, q_y, rtol=1e-4, atol=1e-6)
+    assert all(float(q_y[d, t]) > 0 for d, t in enumerate(drawn.tokens))
+    assert list(drawn.confidence) == pytest.approx([float(q_y[d, t]) for d, t in enumerate(drawn.tokens)], rel=1e-4)
     tree = out.proposals[3]
     top_v, top_i = logp["z"].topk(3, -1)
     want = medusa_tree(top_i.tolist(), top_v.tolist(), 7)
@@ -274,13 +279,29 @@ def test_medusa_in_a_batch_with_other_modes_and_auto(engine):
 
 def test_sampled_medusa_has_the_target_distribution(engine, monkeypatch):
     """Chi-square over the first 3 sampled tokens (top_k=3: 27 cells) at significance 1e-3,
-    2000 seeded samples batched 16 at a time; the heads' argmax proposed as point masses.
+    2000 seeded samples batched 16 at a time; drafts drawn from the heads' q, proposed with it.
     Negative control: a verifier that accepts every draft fails the same test."""
     ids = engine.encode(prompt=PROMPTS[4])
     n = 2000
     honest, control = batched_test_and_control(engine, ids, n, "medusa", monkeypatch)
     assert honest["drafted"] >= n and honest["impossible"] == 0 and honest["p"] > 1e-3
     assert control["impossible"] > 0 or control["p"] < 1e-3
+
+
+def test_sampled_medusa_trees_have_the_target_distribution(engine, monkeypatch):
+    """The same chi-square for mode medusa_tree (4 tokens, 81 cells, 2000 samples): each depth's
+    candidates one draw without replacement from its head's q, shared by the nodes of that
+    depth, recursive rejection sampling at each node. Negative control: the residual update
+    after a rejected candidate skipped."""
+    import specdec.batch.verify as batch_verify
+
+    ids = engine.encode(prompt=PROMPTS[4])
+    n = 2000
+    honest = batched_result(engine, ids, n, "medusa_tree", k=3, length=4)
+    assert honest["drafted"] >= 2 * n and honest["impossible"] == 0 and honest["p"] > 1e-3, honest
+    monkeypatch.setattr(batch_verify, "rejection_residual", lambda p, q: p)
+    control = batched_result(engine, ids, n, "medusa_tree", k=3, length=4)
+    assert control["impossible"] > 0 or control["p"] < 1e-3, control
 
 
 @pytest.mark.skipif(not getattr(DRAFTERS.get("medusa_tree"), "trees", False),

@@ -16,9 +16,15 @@ Per row:
 - ``row.nodes > 0``: a token tree (``specdec.trees``) of at most ``row.nodes`` nodes and depth
   ``min(k, heads)``, built by ``medusa_tree`` from the heads' top-``width`` log-probs.
 
-Sampled rows get the same argmax chains and trees, proposed as point masses (``probs=None``):
-verification accepts a point mass ``x`` with probability ``p(x)`` and resamples from the
-residual otherwise, which is exact whatever the proposal (``specdec.batch.verify``).
+Sampled rows DRAW from each head's processed distribution ``q_d`` (the row's temperature,
+top-k, top-p over the heads' vocabulary) with the row's generator: a chain's draft ``d + 1`` from
+``q_d``, proposed with those q rows and verified by rejection sampling; a tree's candidates at
+depth ``d + 1``, one draw of ``width`` without replacement from ``q_d`` shared by every node of
+depth ``d`` (a head's guess does not depend on the path, and a verified path passes one node a
+depth), verified by recursive rejection sampling at each node (``Proposal.branches``). A head
+that ignores the drafts before it is still a proposal distribution for the draft it makes, so
+both stay exact (``specdec.batch.verify``); they accept ``min(1, p/q)`` where the argmax as a
+point mass gets ``p(argmax)``.
 """
 
 from __future__ import annotations
@@ -30,10 +36,13 @@ from collections.abc import Sequence
 
 import torch
 
+from specdec import trees
 from specdec.batch.blocks import slot
 from specdec.batch.runner import BatchRow, BatchRunner
-from specdec.drafters.base import EMPTY_PROPOSAL, Drafted, DraftRow, Proposal
+from specdec.batch.verify import batched_probs
+from specdec.drafters.base import EMPTY_PROPOSAL, Drafted, DraftRow, Proposal, draw_without_replacement
 from specdec.models.medusa import MedusaHeads
+from specdec.sampling import draw, make_generator
 
 
 def medusa_tree(top_ids: Sequence[Sequence[int]], top_logp: Sequence[Sequence[float]], nodes: int,
@@ -139,7 +148,9 @@ class MedusaDrafter:
         for j, i in enumerate(todo):
             r = rows[i]
             k = min(r.k, depth)
-            if r.nodes <= 0:
+            if not r.params.greedy:
+                proposals[i] = self._sampled(r, logits[j, :k], width)
+            elif r.nodes <= 0:
                 proposals[i] = medusa_chain([t[0] for t in top_ids[j][:k]], [v[0] for v in top_logp[j][:k]],
                                             r.stop_below)
             else:
@@ -149,6 +160,34 @@ class MedusaDrafter:
                                                           stop_below=r.stop_below)
                 proposals[i] = Proposal(tokens, None, confidence, parents)
         return Drafted(proposals, time.perf_counter() - began, 1)
+
+    def _sampled(self, row: DraftRow, logits: torch.Tensor, width: int) -> Proposal:
+        """A sampled row's chain or tree from its heads' logits [k, heads' vocabulary], drawn
+        from their processed distributions (module docstring)."""
+        full = logits.new_full((logits.shape[0], self.heads.vocab_size), -math.inf)
+        full[:, self.heads.token_ids] = logits
+        q = batched_probs(full, [row.params] * logits.shape[0]).cpu()  # [k, V]
+        gen = make_generator(row.seed)
+        if row.nodes <= 0:
+            tokens, confidence, reach = [], [], 1.0
+            for d in range(q.shape[0]):
+                token = draw(q[d], gen)
+                tokens.append(token)
+                confidence.append(float(q[d, token]))
+                reach *= confidence[-1]
+                if reach < row.stop_below:
+                    break
+            return Proposal(tokens, q[: len(tokens)], tuple(confidence))
+        logq, ids = draw_without_replacement(q, min(width, row.nodes), gen)  # [k, w]: one draw a depth
+        drawn = [[t for t, v in zip(ts, vs) if v > -math.inf] for ts, vs in zip(ids.tolist(), logq.tolist())]
+        tokens, parents, confidence = medusa_tree(drawn, [[v for v in vs if v > -math.inf] for vs in logq.tolist()],
+                                                  row.nodes, stop_below=row.stop_below)
+        if not tokens:
+            return EMPTY_PROPOSAL
+        depths = trees.depths(parents)
+        at = [(trees.ROOT, 0)] + [(n, depths[n]) for n in range(len(tokens)) if depths[n] < len(drawn)]
+        return Proposal(tokens, q[[d for _, d in at]], confidence, parents,
+                        tuple((n, tuple(drawn[d])) for n, d in at))
 
     def release(self, key: str) -> None:
         """Nothing is kept per sequence: the features are the target's."""
