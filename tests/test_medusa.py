@@ -33,7 +33,7 @@ from specdec.engine import Engine
 from specdec.loading import load_model, load_tokenizer
 from specdec.models.medusa import load_medusa_heads, save_medusa_heads
 from specdec.sampling import SamplingParams
-from three_tokens import batched_result, batched_test_and_control, greedy_accepted
+from three_tokens import assert_tree_sampling_exact, batched_test_and_control, greedy_accepted
 
 PROMPTS = [" ".join(p.split()[:4]) for p in synthetic_corpus(n_sentences=20, seed=99)]
 
@@ -293,15 +293,7 @@ def test_sampled_medusa_trees_have_the_target_distribution(engine, monkeypatch):
     candidates one draw without replacement from its head's q, shared by the nodes of that
     depth, recursive rejection sampling at each node. Negative control: the residual update
     after a rejected candidate skipped."""
-    import specdec.batch.verify as batch_verify
-
-    ids = engine.encode(prompt=PROMPTS[4])
-    n = 2000
-    honest = batched_result(engine, ids, n, "medusa_tree", k=3, length=4)
-    assert honest["drafted"] >= 2 * n and honest["impossible"] == 0 and honest["p"] > 1e-3, honest
-    monkeypatch.setattr(batch_verify, "rejection_residual", lambda p, q: p)
-    control = batched_result(engine, ids, n, "medusa_tree", k=3, length=4)
-    assert control["impossible"] > 0 or control["p"] < 1e-3, control
+    assert_tree_sampling_exact(engine, engine.encode(prompt=PROMPTS[4]), 2000, "medusa_tree", monkeypatch, k=3)
 
 
 @pytest.mark.skipif(not getattr(DRAFTERS.get("medusa_tree"), "trees", False),

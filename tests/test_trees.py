@@ -107,7 +107,7 @@ def test_a_tree_grows_level_by_level_and_settles_along_the_ids(model):
 
 import threading  # noqa: E402
 
-from three_tokens import batched_result  # noqa: E402
+from three_tokens import assert_tree_sampling_exact  # noqa: E402
 
 from specdec.bench.tiny import synthetic_corpus  # noqa: E402
 from specdec.config import ModelConfig, SpeculationConfig  # noqa: E402
@@ -175,18 +175,10 @@ def test_tree_verification_keeps_the_target_distribution(llama_pair, monkeypatch
     from q without replacement, recursive rejection sampling. Negative control: the same test
     with a verifier that skips the residual update after a rejected candidate (it tries the next
     one against p again) must fail."""
-    import specdec.batch.verify as batch_verify
-
     engine = Engine.load(ModelConfig(target=str(llama_pair["target"]), draft=str(llama_pair["draft"]), dtype="float32"),
                          SpeculationConfig(tree_width=3), kv_cache_tokens=8192, max_num_seqs=16)
     tree_shape(engine, 8, 3)
-    ids = engine.encode(prompt=PROMPTS[3])
-    n = 3000
-    honest = batched_result(engine, ids, n, "draft_tree", k=2, length=4)
-    assert honest["drafted"] >= 2 * n and honest["impossible"] == 0 and honest["p"] > 1e-3, honest
-    monkeypatch.setattr(batch_verify, "rejection_residual", lambda p, q: p)
-    control = batched_result(engine, ids, n, "draft_tree", k=2, length=4)
-    assert control["impossible"] > 0 or control["p"] < 1e-3, control
+    assert_tree_sampling_exact(engine, engine.encode(prompt=PROMPTS[3]), 3000, "draft_tree", monkeypatch, k=2)
 
 
 def test_point_mass_candidates_leave_p_exactly_analytically():

@@ -98,6 +98,19 @@ def batched_test_and_control(engine, ids: list[int], n: int, mode: str, monkeypa
     return honest, batched_result(engine, ids, n, mode, k, length, params)
 
 
+def assert_tree_sampling_exact(engine, ids: list[int], n: int, mode: str, monkeypatch, k: int) -> None:
+    """A token-tree mode's batched chi-square over 4 tokens (81 cells) passes at 1e-3 with drafts
+    proposed, and fails with its negative control: a verifier that skips the residual update
+    after a rejected candidate (it tries the next one against p again)."""
+    import specdec.batch.verify as batch_verify
+
+    honest = batched_result(engine, ids, n, mode, k=k, length=4)
+    assert honest["drafted"] >= 2 * n and honest["impossible"] == 0 and honest["p"] > 1e-3, honest
+    monkeypatch.setattr(batch_verify, "rejection_residual", lambda p, q: p)
+    control = batched_result(engine, ids, n, mode, k=k, length=4)
+    assert control["impossible"] > 0 or control["p"] < 1e-3, control
+
+
 def greedy_accepted(engine, prompts: list[str], mode: str, k: int, max_tokens: int = 24) -> int:
     """Asserts each prompt's greedy tokens in ``mode`` (k drafts a round) are plain decoding's;
     the drafts accepted over all of them."""
