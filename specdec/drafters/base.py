@@ -40,7 +40,7 @@ class Proposal:
                 its q, in draw order (``Trees``); ``probs`` is then [len(branches), vocab], that
                 q at each. The tree's children of a node are some of its candidates; the others
                 are verified too (a candidate needs only its parent's p). A tree without
-                branches (a greedy row, Medusa) holds its drafter's top tokens: point masses.
+                branches (a greedy row, a plug-in drafter's tree without q) holds point masses.
                 Both verify exactly (``specdec.batch.verify``).
     """
 
@@ -251,7 +251,8 @@ class Trees:
     (``Proposal.branches``) for recursive rejection sampling (``specdec.batch.verify``), which
     accepts a candidate with ``min(1, p'/q')`` where point masses get only ``p'``: on the demo
     pair at T = 1, the target's token is accepted at a node of 4 candidates 0.55 of the time
-    against 0.39 (held-out sampled answers; one sample from q: 0.36). Which nodes are expanded
+    against 0.39 (the EAGLE head on the bench's chat and sampling prompts, answers sampled from
+    the target; one sample from q: 0.36). Which nodes are expanded
     and kept may depend on anything the drafter drew (their values): every candidate drawn at a
     kept node is verified, kept as a node or not, so a node's draw is always whole.
     """
