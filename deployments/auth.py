@@ -12,7 +12,6 @@ from __future__ import annotations
 import hmac
 import os
 
-from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from deployments.protocol import error_body
@@ -44,9 +43,23 @@ def needs_key(path: str) -> bool:
     return "/v1/" in path or path.endswith("/v1")
 
 
-async def authenticate(request: Request, call_next):
-    if _KEYS and needs_key(request.url.path) and not authorized(request.headers.get("authorization")):
-        body = error_body("invalid or missing API key: send 'Authorization: Bearer <key>'",
-                          type_="invalid_request_error", code="invalid_api_key")
-        return JSONResponse(body, status_code=401, headers={"www-authenticate": "Bearer"})
-    return await call_next(request)
+class Authenticate:
+    """ASGI middleware: a ``/v1`` request without a valid key gets 401 before its body is read.
+
+    A plain ASGI class, not a ``BaseHTTPMiddleware`` (``app.middleware("http")``): that one
+    pipes every response through a memory stream and a task group of its own, per streamed
+    chunk, and on a small CPU node that per-chunk work competes with the model for the cores.
+    """
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and _KEYS and needs_key(scope["path"]):
+            header = next((v for k, v in scope.get("headers") or () if k == b"authorization"), b"")
+            if not authorized(header.decode("latin-1")):
+                body = error_body("invalid or missing API key: send 'Authorization: Bearer <key>'",
+                                  type_="invalid_request_error", code="invalid_api_key")
+                response = JSONResponse(body, status_code=401, headers={"www-authenticate": "Bearer"})
+                return await response(scope, receive, send)
+        return await self.app(scope, receive, send)

@@ -61,7 +61,7 @@ class Disconnects:
 
 
 app.add_middleware(limits.BodyLimit)
-app.middleware("http")(auth.authenticate)  # a caller without a key learns nothing
+app.add_middleware(auth.Authenticate)  # a caller without a key learns nothing
 app.add_middleware(Disconnects)  # added last: outermost, it sees Serve's receive first
 
 
