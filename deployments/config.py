@@ -153,6 +153,12 @@ class UnitArgs(_Strict):
         description="CPU threads for the unit's models. Ray sets a process's threads to the CPUs it "
         "reserved (1 for a 1-CPU bundle); on a CPU node that runs one unit, give it the cores.",
     )
+    stream_interval: int = Field(
+        1, ge=1, description="A streamed answer leaves the unit in chunks of at least this many tokens "
+        "(its first token and its end at once), as SGLang's and vLLM's stream_interval: fewer wake-ups "
+        "of the replica's event loop and fewer streamed messages under load, each chunk a little later. "
+        "An answer that is not streamed is handed over whole."
+    )
     trace_sample_ratio: float = Field(
         1.0, ge=0, le=1, description="Share of requests traced (a caller's sampled traceparent wins)."
     )

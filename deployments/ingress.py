@@ -317,6 +317,7 @@ def _unit_request(body, inputs: dict, http: Request, request_id: str, grammar: t
         repetition_penalty=body.repetition_penalty,
         min_p=body.min_p,
         logit_bias=body.bias,
+        stream=body.stream,
         user=(body.model_extra or {}).get("user") if isinstance((body.model_extra or {}).get("user"), str) else None,
         grammar_param=grammar[0],
         grammar=grammar[1],

@@ -292,6 +292,7 @@ class UnitRequest:
     user: str | None = None  # the tenant: the trace and the savings it records carry it
     grammar: GrammarSpec | None = None  # structured output
     grammar_param: str = "response_format"  # the field that asked for it (a refusal names it)
+    stream: bool = True  # streamed to the client: its tokens leave in chunks of the unit's stream_interval
 
     @property
     def chat(self) -> bool:
@@ -322,6 +323,26 @@ class Delta:
     token_ids: list[int]
     index: int = 0
     logprobs: list[tuple[str, float | None, list[tuple[str, float]] | None]] | None = None
+
+
+def merge_deltas(events: list) -> list:
+    """``events`` with each run of consecutive ``Delta``s of one choice joined into one (texts
+    and ids; log-probabilities too where the whole run has them): what a reader that fell
+    behind sends as one chunk instead of several.
+
+        >>> merge_deltas([Delta("a", [1]), Delta("b", [2]), Delta("c", [3], index=1)])
+        [Delta(text='ab', token_ids=[1, 2], index=0, logprobs=None), Delta(text='c', token_ids=[3], index=1, logprobs=None)]
+    """
+    out: list = []
+    for event in events:
+        last = out[-1] if out else None
+        if isinstance(event, Delta) and isinstance(last, Delta) and last.index == event.index \
+                and (last.logprobs is None) == (event.logprobs is None):
+            logprobs = None if event.logprobs is None else [*last.logprobs, *event.logprobs]
+            out[-1] = Delta(last.text + event.text, [*last.token_ids, *event.token_ids], event.index, logprobs)
+        else:
+            out.append(event)
+    return out
 
 
 @dataclass(frozen=True)

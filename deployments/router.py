@@ -11,6 +11,7 @@ events (``deployments.protocol``: Start, Delta..., End, or Error) back to the in
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import time
@@ -23,7 +24,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from deployments.autoscaling import StatsRecorder, UnitTotals
 from deployments.config import UnitArgs, unit_fingerprint
 from deployments.metrics import UnitMetrics
-from deployments.protocol import Delta, End, Error, Start, UnitRequest
+from deployments.protocol import Delta, End, Error, Start, UnitRequest, merge_deltas
 from deployments.workers import DraftWorker, RemoteDraft, RemoteTarget, TargetWorker
 from specdec import compute, grammar, telemetry
 from specdec.loading import check_same_vocabulary
@@ -202,12 +203,14 @@ class SpecRouter:
         if req.best_of > req.n and logprobs is None:
             logprobs = 0  # best_of ranks the choices by their log-probability
         try:
-            return engine.request(ids, max_tokens=max_tokens, params=params, stop=req.stop, mode=mode,
+            greq = engine.request(ids, max_tokens=max_tokens, params=params, stop=req.stop, mode=mode,
                                   k=req.k,  # the policy caps it at the operator's k_max
                                   ignore_eos=req.ignore_eos, stop_token_ids=req.stop_token_ids,
                                   min_tokens=req.min_tokens, logprobs=logprobs, grammar=req.grammar)
         except ValueError as exc:
             raise RequestError(str(exc), "max_tokens") from exc
+        # A streamed answer in chunks of stream_interval tokens; one that is not streamed, whole.
+        return dataclasses.replace(greq, stream_interval=self.args.stream_interval if req.stream else max_tokens)
 
     def _prompt_ids(self, ids: list[int], max_prompt: int | None) -> list[int]:
         """A prompt given as token ids, checked against the vocabulary and the token limit."""
@@ -264,9 +267,14 @@ class SpecRouter:
         keep = req.best_of > req.n
         held: dict[int, list] = {i: [] for i in range(count)}
         try:
-            ended = 0
+            ended, ready = 0, collections.deque()
             while ended < count:
-                event = await queue.get()
+                if not ready:  # everything the choices have sent, consecutive Deltas joined
+                    ready.append(await queue.get())
+                    while not queue.empty():
+                        ready.append(queue.get_nowait())
+                    ready = collections.deque(merge_deltas(list(ready)))
+                event = ready.popleft()
                 if isinstance(event, BaseException):
                     raise event
                 if isinstance(event, Start):

@@ -594,3 +594,82 @@ async def _both(engine, ids, seeded):
     async def one(**kw):
         return await asyncio.to_thread(engine.generate, ids, max_tokens=24, ignore_eos=True, **kw)
     return await asyncio.gather(one(mode="draft", k=3, params=seeded), one(mode="draft", k=3))
+
+
+def _round(tokens: list[int], finish: str | None = None):
+    from specdec.engine.events import RoundEvent
+    from specdec.stats import RoundStats
+
+    return RoundEvent("".join(map(str, tokens)), tokens, RoundStats(0, "off", 0, 0, 0, len(tokens), 0.0, 0.0), finish)
+
+
+@pytest.mark.parametrize("threaded", [True, False])
+def test_a_handle_hands_events_over_every_interval_tokens(threaded):
+    """``stream_interval``: the first event at once, then the held events together once they
+    carry ``interval`` tokens, the last event (and whatever it follows) at once; an error is not
+    held either. The events and their order are those put."""
+    from specdec.engine.events import ErrorEvent
+    from specdec.engine.loop import Handle
+
+    async def scenario():
+        loop = None if threaded else asyncio.get_running_loop()
+        handle = Handle("k", loop, interval=3)
+
+        async def waiting():
+            await asyncio.sleep(0)  # the hand-overs scheduled from "the loop thread" run
+            return handle._events.qsize()
+
+        counts = []
+        for event in (_round([1]), _round([2]), _round([3]), _round([4, 5]), _round([6]), _round([7], "length")):
+            handle.put(event)
+            counts.append(await waiting())
+        assert counts == [1, 1, 1, 4, 4, 6]
+        if threaded:
+            assert [t for e in handle for t in e.token_ids] == [1, 2, 3, 4, 5, 6, 7]
+        else:
+            assert [t async for e in handle for t in e.token_ids] == [1, 2, 3, 4, 5, 6, 7]
+        failed = Handle("e", loop, interval=8)
+        failed.put(_round([1]))
+        failed.put(_round([2]))
+        failed.put(ErrorEvent("boom"))
+        assert await asyncio.sleep(0) is None and failed._events.qsize() == 3
+
+    asyncio.run(scenario())
+
+
+def test_a_request_streamed_in_intervals_gets_the_same_tokens_in_fewer_hand_overs(llama_pair):
+    """The same greedy request with ``stream_interval`` 1 and 4, read on an event loop: the
+    same tokens (the rounds may differ: the second run starts from the unit's estimates the first
+    left); with 4, the reader is handed them in chunks of at least 4 tokens
+    (but the first and the last), counted where the loop thread hands them over."""
+    import dataclasses
+
+    from specdec.engine.loop import Handle
+
+    engine = Engine.load(ModelConfig(target=str(llama_pair["target"]), draft=str(llama_pair["draft"]), dtype="float32"),
+                         SpeculationConfig(), kv_cache_tokens=4096, max_num_seqs=4)
+    ids = engine.encode(prompt=" ".join(PROMPTS[:5]))
+    batches: list[list[int]] = []
+    real = Handle._hand_over
+
+    def hand_over(self, batch):
+        batches.append(sum(len(e.token_ids) for e in batch))
+        real(self, batch)
+
+    async def run(interval):
+        batches.clear()
+        req = dataclasses.replace(engine.request(ids, max_tokens=30, mode="draft", ignore_eos=True),
+                                  stream_interval=interval)
+        events = [e async for e in engine.astream(req)]
+        return [t for e in events for t in e.token_ids], len(events), list(batches)
+
+    Handle._hand_over = hand_over
+    try:
+        one, rounds_one, sizes_one = asyncio.run(run(1))
+        four, rounds_four, sizes_four = asyncio.run(run(4))
+    finally:
+        Handle._hand_over = real
+        engine.loop.close()
+    assert four == one and len(one) == 30
+    assert len(sizes_one) == rounds_one  # one hand-over per round
+    assert sum(sizes_four) == 30 and all(n >= 4 for n in sizes_four[1:-1]) and len(sizes_four) < rounds_four

@@ -248,7 +248,7 @@ def test_a_client_that_hangs_up_on_a_stream_is_a_disconnect_not_an_error():
     async def endpoint(request):
         return StreamingResponse(chunks(), media_type="text/event-stream")
 
-    async def passthrough(request, call_next):  # like auth.authenticate: a BaseHTTPMiddleware
+    async def passthrough(request, call_next):  # a BaseHTTPMiddleware, as an operator may add
         return await call_next(request)
 
     def app(*outer):

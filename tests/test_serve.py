@@ -59,7 +59,7 @@ def server(llama_pair, tmp_path_factory):
         }
         apps.append(serve.RunTarget(build_app(args), mode, f"/{mode}"))
     secured = {"models": {"target": str(llama_pair["target"]), "dtype": "float32", "served_model_name": MODEL},
-               "colocation": "in_process", "api_keys": KEYS}
+               "colocation": "in_process", "api_keys": KEYS, "stream_interval": 4}
     apps.append(serve.RunTarget(build_app(secured), "secured", "/secured"))
     in_unit = {**args, "colocation": "in_process", "ingress": "in_unit"}
     apps.append(serve.RunTarget(bind_app(in_unit, user_config=IN_UNIT_FLAGS), "in_unit", "/in_unit"))
@@ -515,6 +515,22 @@ def test_api_keys_guard_every_v1_route(server, route):
         r = call({"authorization": f"Bearer {key}"})
         assert r.status_code == (400 if route == "completions-bad-body" else 200), r.text
     assert httpx.get(f"{BASE}/secured/health", timeout=60).status_code == 200
+
+
+def test_a_unit_streams_in_chunks_of_its_stream_interval(server, reference):
+    """The secured unit's stream_interval is 4: a streamed answer's first token comes alone, then
+    chunks of at least 4 tokens but the last; the tokens are plain decoding's. Unstreamed, the
+    same answer."""
+    headers = {"authorization": f"Bearer {KEYS[0]}"}
+    for prompt in PROMPTS[:2]:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 32, "temperature": 0, "return_token_ids": True}
+        r = httpx.post(f"{BASE}/secured/v1/completions", json={**body, "stream": True}, headers=headers, timeout=120)
+        sizes = [len(c["choices"][0]["token_ids"]) for c in sse_events(r.text) if c["choices"][0]["token_ids"]]
+        tokens = [t for c in sse_events(r.text) for t in c["choices"][0]["token_ids"]]
+        assert tokens == reference[prompt]
+        assert sizes[0] == 1 and all(n >= 4 for n in sizes[1:-1]) and len(sizes) <= 1 + 31 // 4 + 1, sizes
+        r = httpx.post(f"{BASE}/secured/v1/completions", json=body, headers=headers, timeout=120)
+        assert r.json()["choices"][0]["token_ids"] == reference[prompt]
 
 
 def test_the_openai_client_sends_its_key(server):

@@ -89,30 +89,51 @@ class GenerationRequest:
     # The operator flags a seeded sampled request runs under (read with the system_fingerprint
     # its answer carries); None: the unit's flags when it is admitted (``StepLoop._new_policy``).
     flags: PolicyConfig | None = None
+    # Events reach the reader in batches of at least this many tokens (``Handle``): fewer wake-ups
+    # of the reader's thread under load, each streamed chunk a little later (SGLang's and vLLM's
+    # ``stream_interval``).
+    stream_interval: int = 1
 
 
 class Handle:
     """A submitted request: iterate (``for`` in a thread, ``async for`` on the event loop it was
-    submitted with) for its events; ``cancel()`` to stop it."""
+    submitted with) for its events; ``cancel()`` to stop it.
 
-    def __init__(self, key: str, loop: asyncio.AbstractEventLoop | None = None):
+    ``interval``: the loop hands events over once at least this many tokens are waiting (the
+    first event and the last, or an error, at once), so a reader is woken once per
+    ``interval`` tokens, not once per round. The events and their order do not change."""
+
+    def __init__(self, key: str, loop: asyncio.AbstractEventLoop | None = None, interval: int = 1):
         self.key = key
         self.cancelled = threading.Event()
         self._loop = loop
         self._events: queue.Queue | asyncio.Queue = asyncio.Queue() if loop is not None else queue.Queue()
+        self.interval = max(1, interval)
+        self._held: list[RoundEvent] = []  # the loop thread's, until handed over
+        self._started = False
 
     def cancel(self) -> None:
         self.cancelled.set()
 
     def put(self, event: RoundEvent | ErrorEvent) -> None:
         """From the loop thread."""
+        self._held.append(event)
+        if self._started and isinstance(event, RoundEvent) and not event.finish_reason \
+                and sum(len(e.token_ids) for e in self._held) < self.interval:
+            return
+        self._started, batch, self._held = True, self._held, []
         if self._loop is None:
-            self._events.put(event)
+            for item in batch:
+                self._events.put(item)
             return
         try:
-            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+            self._loop.call_soon_threadsafe(self._hand_over, batch)
         except RuntimeError:  # the event loop is closed: nobody is listening
             self.cancel()
+
+    def _hand_over(self, batch: list) -> None:
+        for item in batch:
+            self._events.put_nowait(item)
 
     @staticmethod
     def _check(event: RoundEvent | ErrorEvent) -> RoundEvent:
@@ -277,7 +298,7 @@ class StepLoop:
         self.check_fits(req)
         seed = req.params.seed if req.params.seed is not None else int(make_generator(None).initial_seed())
         text = TextStream(self.tokenizer, stop=list(req.stop), min_tokens=req.min_tokens)
-        live = _Live(req, Handle(uuid.uuid4().hex, loop), seed, self._new_policy(req), text)
+        live = _Live(req, Handle(uuid.uuid4().hex, loop, req.stream_interval), seed, self._new_policy(req), text)
         with self._cv:
             if self._closed:
                 raise RuntimeError("the unit is shutting down")
