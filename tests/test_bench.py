@@ -622,10 +622,14 @@ def test_quick_tiny_run_writes_every_field(tiny_home, capsys):
         assert steps[str(contexts[w])] > 0
     assert steps[str(report["costs"]["context_tokens"])] == report["costs"]["target_step_s"]
     assert "plain step at each workload's decode context (tokens): chat " in table
+    # ... and again beside each plain run (the target's step: the same minutes as its TPOT).
+    beside = report["costs"]["steps_beside"]
+    assert set(beside) == {str(n) for n in contexts.values()} and all(t > 0 for t in beside.values())
+    assert "beside its plain runs" in table
     for t in report["targets"]:  # what the loop adds to a lone stream's step, per workload
         if t["target"] == "plain TPOT <= 1.1x target step":
             off = next(r for r in rows if r["workload"] == t["scope"] and r["name"] == "off")
-            assert t["value"] == pytest.approx(off["tpot_s"]["p50"] / steps[str(contexts[t["scope"]])])
+            assert t["value"] == pytest.approx(off["tpot_s"]["p50"] / beside[str(contexts[t["scope"]])])
     # The transformers hook used to count assisted rounds is restored.
     assert vars(GenerationMixin)["_get_candidate_generator"] is original_hook
     assert "== transformers settings (as transformers applied them) ==" in table
@@ -719,6 +723,11 @@ def test_plain_tpot_is_compared_with_the_step_at_its_workloads_decode_context():
     assert got["code"]["value"] == pytest.approx(0.032 / 0.020) and not got["code"]["met"]
     assert "at 100 tokens" in got["code"]["detail"]
     assert targets(rows, costs)[1]["value"] == pytest.approx(0.032 / 0.020)
+    # Steps timed beside the plain runs win over the one timed with the costs (their median).
+    costs.beside = {300: [0.040, 0.029, 0.031]}
+    got = {t["scope"]: t for t in targets(rows, costs, {"chat": 100, "code": 300})}
+    assert got["code"]["value"] == pytest.approx(0.032 / 0.031) and "beside the plain runs" in got["code"]["detail"]
+    assert "beside" not in got["chat"]["detail"] and got["chat"]["value"] == pytest.approx(0.021 / 0.020)
 
 
 def test_ideal_from_measured_tokens_credits_runs_of_acceptance():

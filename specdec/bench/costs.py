@@ -7,7 +7,8 @@ verify pass, reported relative to a step. Every pass is rolled back to the promp
 the same context length, and the kinds are interleaved so machine noise hits them alike;
 medians over ``reps``. A plain step is also timed at other context lengths (``step_contexts``:
 the bench's workloads decode over longer contexts than the median prompt, and a step's
-attention grows with its context), each on a pool of its own, in the same repetitions.
+attention grows with its context), each on a pool of its own, in the same repetitions; and the
+bench times those steps again right beside its plain runs (``StepProbe``, ``Costs.beside``).
 The target is timed in the numerics the step loop runs it in
 (``invariant``): batch-invariant numerics pad a step's products and group its queries
 (``specdec.batch.numerics``, ``specdec.batch.attention``), which costs a lone bf16 step of the
@@ -34,9 +35,14 @@ class Costs:
     verify_s: dict[int, float] = field(default_factory=dict)  # k -> (k + 1)-token forward time
     numerics: str = "fast"  # the target's: "batch_invariant" or "fast"
     steps: dict[int, float] = field(default_factory=dict)  # context tokens -> a 1-token step there
+    # context tokens -> 1-token steps timed right beside the plain runs at that context (``StepProbe``)
+    beside: dict[int, list[float]] = field(default_factory=dict)
 
     def step_at(self, context: int | None) -> tuple[int, float]:
-        """(context, step seconds): the step timed at ``context``, else the one at ``context_tokens``."""
+        """(context, step seconds): the median of the steps timed beside the plain runs at
+        ``context``, else the step timed there with the costs, else the one at ``context_tokens``."""
+        if context is not None and self.beside.get(context):
+            return context, statistics.median(self.beside[context])
         if context is not None and context in self.steps:
             return context, self.steps[context]
         return self.context_tokens, self.target_step_s
@@ -60,6 +66,7 @@ class Costs:
             "numerics": self.numerics,
             "v": {str(k): val for k, val in self.v.items()},
             "steps": {str(n): t for n, t in sorted(self.steps.items())},
+            "steps_beside": {str(n): statistics.median(ts) for n, ts in sorted(self.beside.items()) if ts},
         }
 
 
@@ -75,6 +82,32 @@ def _timed_pass(runner: BatchRunner, context: list[int], extra: list[int]) -> fl
     elapsed = time.perf_counter() - t0
     runner.truncate(KEY, len(context))
     return elapsed
+
+
+class StepProbe:
+    """A plain 1-token target step, timed at any of ``lengths`` context tokens whenever asked
+    (``step``): a pool of its own per length, prefilled once with ``context``'s tokens repeated
+    (a step's cost depends on how many tokens it attends to, not which), rolled back after each
+    pass. The bench times it right beside each plain run, so that plain decoding's time per
+    token is compared with a step of the same minutes: this machine's speed drifts by 10-20%
+    within an hour, more than the engine adds to a step."""
+
+    def __init__(self, target_model, context: list[int], lengths, *, invariant: bool = False):
+        self.runners: dict[int, tuple[BatchRunner, list[int]]] = {}
+        for n in sorted({n for n in lengths if n >= 2}):
+            ids = (context * (n // len(context) + 2))[: n + 1]
+            runner = BatchRunner(target_model, capacity_tokens=n + 1, invariant=invariant)
+            runner.forward([BatchRow(KEY, ids[:n], 1, run_of(1, n + 1))])
+            self.runners[n] = runner, ids
+
+    def step(self, n: int) -> float:
+        """One timed step at ``n`` context tokens (seconds)."""
+        runner, ids = self.runners[n]
+        return _timed_pass(runner, ids[:n], ids[n:])
+
+    def release(self) -> None:
+        for runner, _ in self.runners.values():
+            runner.release(KEY)
 
 
 def measure_costs(
@@ -97,14 +130,9 @@ def measure_costs(
     for runner in (target, draft):  # prefill
         if runner is not None:
             runner.forward([BatchRow(KEY, context, 1, run_of(1, size))])
-    longer: dict[int, tuple[BatchRunner, list[int]]] = {}
-    for n in sorted({n for n in step_contexts if n >= 2 and n != len(context)}):
-        ids = (context * (n // len(context) + 2))[: n + 1]
-        runner = BatchRunner(target_model, capacity_tokens=n + 1, invariant=invariant)
-        runner.forward([BatchRow(KEY, ids[:n], 1, run_of(1, n + 1))])
-        longer[n] = runner, ids
+    longer = StepProbe(target_model, context, [n for n in step_contexts if n != len(context)], invariant=invariant)
     times: dict[str, list[float]] = {"target": [], "draft": [], **{f"v{k}": [] for k in ks},
-                                     **{f"at{n}": [] for n in longer}}
+                                     **{f"at{n}": [] for n in longer.runners}}
     try:
         for rep in range(warmup + reps):
             sample = {"target": _timed_pass(target, context, extra[:1])}
@@ -112,8 +140,8 @@ def measure_costs(
                 sample["draft"] = _timed_pass(draft, context, extra[:1])
             for k in ks:
                 sample[f"v{k}"] = _timed_pass(target, context, extra[: k + 1])
-            for n, (runner, ids) in longer.items():
-                sample[f"at{n}"] = _timed_pass(runner, ids[:n], ids[n:])
+            for n in longer.runners:
+                sample[f"at{n}"] = longer.step(n)
             if rep >= warmup:
                 for key, t in sample.items():
                     times[key].append(t)
@@ -122,8 +150,7 @@ def measure_costs(
         target.release(KEY)
         if draft is not None:
             draft.release(KEY)
-        for runner, _ in longer.values():
-            runner.release(KEY)
+        longer.release()
     target_step = statistics.median(times["target"])
     return Costs(
         context_tokens=len(context),
@@ -131,5 +158,5 @@ def measure_costs(
         draft_step_s=statistics.median(times["draft"]) if draft is not None else None,
         verify_s={k: statistics.median(times[f"v{k}"]) for k in ks},
         numerics="batch_invariant" if invariant else "fast",
-        steps={len(context): target_step, **{n: statistics.median(times[f"at{n}"]) for n in longer}},
+        steps={len(context): target_step, **{n: statistics.median(times[f"at{n}"]) for n in longer.runners}},
     )

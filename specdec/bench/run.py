@@ -26,13 +26,14 @@ import shutil
 import statistics
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from specdec import compute
 from specdec.bench.configs import HF_LOOKUP_DEFAULT_TOKENS, BenchConfig, build_configs
-from specdec.bench.costs import WARMUP_REPS, measure_costs
+from specdec.bench.costs import WARMUP_REPS, StepProbe, measure_costs
 from specdec.bench.inproc import RunResult, peak_rss_mb, run_hf, run_ours
 from specdec.bench.options import BenchOptions
 from specdec.bench.progress import QUIET, SILENT, Phase, Progress
@@ -185,8 +186,13 @@ def _run(bench: Bench, opts: BenchOptions, started: float, progress: Progress) -
         costs = _costs(bench, opts, prompts, phase)
     with progress.phase("warm-up", len(active)) as phase:
         _warm_up(bench, opts, prompts[0], active, skipped, phase)
-    with progress.phase("runs", opts.repeats * len(prompts) * len(active)) as phase:
-        results = _measure(bench, opts, prompts, active, skipped, phase)
+    probe = _probe(bench, opts, prompts, active)
+    try:
+        with progress.phase("runs", opts.repeats * len(prompts) * len(active)) as phase:
+            results = _measure(bench, opts, prompts, active, skipped, phase, after=_beside(probe, costs, opts, prompts))
+    finally:
+        if probe is not None:
+            compute.run(probe.release)
     active = [c for c in active if c.name in results]
     concurrency = None
     if bench.client is not None:
@@ -235,6 +241,31 @@ def _costs(bench: Bench, opts: BenchOptions, prompts: list[Prompt], phase: Phase
                        step_contexts=tuple(contexts.values()))
 
 
+BESIDE_REPS = 5  # plain steps timed after each plain run, at its workload's decode context
+
+
+def _probe(bench: Bench, opts: BenchOptions, prompts: list[Prompt], active: list[BenchConfig]) -> StepProbe | None:
+    """Where the plain step is timed beside our plain runs (None without such runs)."""
+    if not any(c.runner == "ours" and c.mode == "off" for c in active):
+        return None
+    contexts = _decode_contexts(prompts, opts.max_tokens)
+    return compute.run(StepProbe, bench.target_model, _cost_context(prompts), contexts.values(),
+                       invariant=bench.numerics == "batch_invariant")
+
+
+def _beside(probe: StepProbe | None, costs, opts: BenchOptions, prompts: list[Prompt]):
+    """After each of our plain runs: ``BESIDE_REPS`` plain steps at its workload's decode
+    context, into ``costs.beside`` (the plain TPOT target's step)."""
+    contexts = _decode_contexts(prompts, opts.max_tokens)
+
+    def after(cfg: BenchConfig, prompt: Prompt) -> None:
+        if probe is None or cfg.runner != "ours" or cfg.mode != "off":
+            return
+        n = contexts[prompt.workload]
+        costs.beside.setdefault(n, []).extend(compute.run(lambda: [probe.step(n) for _ in range(BESIDE_REPS)]))
+    return after
+
+
 def _warm_up(bench: Bench, opts: BenchOptions, prompt: Prompt, active: list[BenchConfig], skipped: list[dict],
              phase: Phase = SILENT):
     """First calls pay one-off costs; a configuration that cannot run at all goes."""
@@ -250,8 +281,10 @@ def _warm_up(bench: Bench, opts: BenchOptions, prompt: Prompt, active: list[Benc
 
 
 def _measure(bench: Bench, opts: BenchOptions, prompts: list[Prompt], active: list[BenchConfig],
-             skipped: list[dict], phase: Phase = SILENT) -> dict[str, list[RunResult]]:
-    """Every configuration on every prompt, ``repeats`` times, in a rotating order."""
+             skipped: list[dict], phase: Phase = SILENT,
+             after: Callable[[BenchConfig, Prompt], None] = lambda cfg, prompt: None) -> dict[str, list[RunResult]]:
+    """Every configuration on every prompt, ``repeats`` times, in a rotating order; ``after``
+    is called after each run that succeeded."""
     results: dict[str, list[RunResult]] = defaultdict(list)
     for repeat in range(opts.repeats):
         for p_index, prompt in enumerate(prompts):
@@ -267,6 +300,8 @@ def _measure(bench: Bench, opts: BenchOptions, prompts: list[Prompt], active: li
                     log.warning("dropping %s after a failed run: %s: %s", cfg.name, type(exc).__name__, exc)
                     skipped.append({"name": cfg.name, "reason": f"{type(exc).__name__}: {exc}"})
                     results.pop(cfg.name, None)
+                else:
+                    after(cfg, prompt)
                 phase.advance()
     return results
 
@@ -340,7 +375,10 @@ def _report(bench: Bench, opts: BenchOptions, started: float, prompts: list[Prom
 def _steps_line(report: dict) -> str:
     """The plain step at each workload's decode context (what its TPOT is compared with)."""
     steps, contexts = report["costs"].get("steps", {}), report.get("decode_contexts", {})
-    at = [f"{w} {n}: {steps[str(n)] * 1e3:.2f} ms" for w, n in contexts.items() if str(n) in steps]
+    beside = report["costs"].get("steps_beside", {})
+    at = [f"{w} {n}: {steps[str(n)] * 1e3:.2f} ms" + (f" ({beside[str(n)] * 1e3:.2f} beside its plain runs)"
+                                                      if str(n) in beside else "")
+          for w, n in contexts.items() if str(n) in steps]
     return "\nplain step at each workload's decode context (tokens): " + ", ".join(at) if at else ""
 
 
