@@ -788,3 +788,27 @@ def test_the_structured_bench_runs_every_mode_three_ways(llama_pair):
         assert row["free"]["grammar_s"] == 0 < row["any text"]["grammar_s"]
     assert result["rows"][1]["free"]["acceptance"] is not None
     assert "| draft |" in structured.table(result)
+
+
+def test_speedup_pairs_each_run_with_plain_decoding_on_its_prompt_and_repeat():
+    """The machine slows down between repeat 0 and repeat 1 (plain 30 -> 20 tok/s) and the
+    configuration runs 1.5x plain in each: paired ratios say 1.5 whatever the drift; a ratio
+    of medians over the unpaired runs would not. A run without a partner is left out."""
+    from specdec.bench.costs import Costs
+    from specdec.bench.inproc import RunResult
+    from specdec.bench.report import paired_ratios, summarize
+
+    def run(config, prompt, repeat, tps):
+        return RunResult(config, prompt, "chat", repeat, None, 60, 60 / tps, 0.1)
+
+    off = [run("off", "a", 0, 30.0), run("off", "b", 0, 30.0), run("off", "a", 1, 20.0), run("off", "b", 1, 20.0)]
+    # The configuration's runs: repeat 0 on a fast machine, repeat 1 on a slow one, one orphan.
+    spec = [run("x", "a", 0, 45.0), run("x", "b", 0, 45.0), run("x", "a", 1, 30.0), run("x", "b", 1, 30.0),
+            run("x", "c", 1, 100.0)]
+    assert paired_ratios(spec[:4], off) == pytest.approx([1.5] * 4)
+    cfg = BenchConfig("x", "ours", "draft", 4)
+    row = summarize(cfg, "chat", spec[:4] + [spec[4]], costs=Costs(10, 0.03, None), baseline=off, references={},
+                    greedy_prompts=set())
+    assert row["speedup"] == pytest.approx(1.5) and row["speedup_range"] == pytest.approx([1.5, 1.5])
+    # Unpaired, the fast repeat's runs against the slow repeat's plain runs would read 2.25.
+    assert row["tokens_per_s"]["max"] / 20.0 > 2

@@ -3,9 +3,14 @@
 Definitions (per configuration and workload):
 
 - ``tokens_per_s``: per repeat, all output tokens over all seconds of the workload's prompts;
-  the median over repeats, with min and max. ``speedup``: median over our plain (``off``).
-  ``speedup_vs_hf_plain`` (transformers rows): median over transformers' plain ``generate``
-  (``hf-plain``) on the same prompts, what a direct run of transformers compares.
+  the median over repeats, with min and max. ``speedup``: against our plain (``off``) run by
+  run: each run's tokens/s over ``off``'s on the same prompt in the same repeat (the two ran
+  within a minute of each other: every configuration runs on a prompt before the next prompt
+  starts), the median of those ratios, with their smallest and largest in ``speedup_range``.
+  The machine's speed drifts by 10-20% over the bench's quarter of an hour, so a ratio of
+  medians taken minutes apart moves as much as the speed-ups it compares; paired ratios do not.
+  ``speedup_vs_hf_plain`` (transformers rows): the same against transformers' plain
+  ``generate`` (``hf-plain``), what a direct run of transformers compares.
 - ``transformers_settings`` (transformers rows): what its candidate generator was built with,
   by transformers' names (``inproc.candidate_settings``), and the attention it ran with; one
   dict when every run agrees, else the list of the distinct ones.
@@ -49,7 +54,7 @@ from specdec.stats import percentile
 
 ROW_FIELDS = (
     "name", "runner", "mode", "k", "schedule", "workload", "runs", "output_tokens",
-    "tokens_per_s", "speedup", "speedup_vs_hf_plain", "acceptance_rate", "mean_accepted_length", "rounds",
+    "tokens_per_s", "speedup", "speedup_range", "speedup_vs_hf_plain", "acceptance_rate", "mean_accepted_length", "rounds",
     "drafted_tokens", "accepted_tokens", "per_position_acceptance", "mean_k", "c", "c_in_loop", "v_k",
     "ideal_speedup", "efficiency", "ttft_s", "tpot_s", "peak_rss_mb", "identical_outputs",
     "identical_count", "compared_count", "in_process", "policy", "transformers_settings",
@@ -165,18 +170,28 @@ def _ideal(cfg: BenchConfig, rounds: list, costs: Costs, v, acceptance: float | 
     return out
 
 
+def paired_ratios(runs: list[RunResult], baseline: list[RunResult]) -> list[float]:
+    """Each run's tokens/s over the baseline run on the same prompt in the same repeat (runs
+    without such a partner are left out)."""
+    partner = {(r.prompt, r.repeat): r.tokens_per_s for r in baseline}
+    return [r.tokens_per_s / partner[(r.prompt, r.repeat)] for r in runs if partner.get((r.prompt, r.repeat))]
+
+
 def summarize(
-    cfg: BenchConfig, workload: str, runs: list[RunResult], *, costs: Costs, baseline_tps: float | None,
-    references: dict[str, list[int]], greedy_prompts: set[str], hf_plain_tps: float | None = None,
+    cfg: BenchConfig, workload: str, runs: list[RunResult], *, costs: Costs, baseline: list[RunResult],
+    references: dict[str, list[int]], greedy_prompts: set[str], hf_plain: list[RunResult] = (),
 ) -> dict:
-    """One row of figures for ``cfg`` on ``workload`` (see the module docstring)."""
+    """One row of figures for ``cfg`` on ``workload`` (see the module docstring); ``baseline``
+    and ``hf_plain``: the workload's runs of ``off`` and ``hf-plain``."""
     tps = _spread(per_repeat_tokens_per_s(runs))
     row: dict = {"name": cfg.name, "runner": cfg.runner, "mode": cfg.mode, "k": cfg.k,
                  "schedule": cfg.schedule, "workload": workload, "in_process": cfg.in_process, "runs": len(runs),
                  "output_tokens": sum(r.output_tokens for r in runs), "tokens_per_s": tps}
-    row["speedup"] = tps["median"] / baseline_tps if baseline_tps and tps["median"] is not None else None
+    paired = _spread(paired_ratios(runs, baseline))
+    row["speedup"] = paired["median"]
+    row["speedup_range"] = [paired["min"], paired["max"]] if paired["median"] is not None else None
     row["speedup_vs_hf_plain"] = (
-        tps["median"] / hf_plain_tps if cfg.runner == "hf" and hf_plain_tps and tps["median"] is not None else None
+        _spread(paired_ratios(runs, list(hf_plain)))["median"] if cfg.runner == "hf" else None
     )
     row.update(_acceptance(cfg, runs))
     rounds = [rd for r in runs for rd in r.rounds]

@@ -41,7 +41,6 @@ from specdec.bench.report import (
     format_concurrency,
     format_table,
     format_targets,
-    per_repeat_tokens_per_s,
     summarize,
     targets,
 )
@@ -332,14 +331,12 @@ def _rows(opts: BenchOptions, prompts: list[Prompt], active: list[BenchConfig],
         off_runs = [r for r in results.get("off", []) if r.workload == workload]
         if not off_runs:
             continue
-        baseline = statistics.median(per_repeat_tokens_per_s(off_runs))
         hf_plain_runs = [r for r in results.get("hf-plain", []) if r.workload == workload]
-        hf_plain = statistics.median(per_repeat_tokens_per_s(hf_plain_runs)) if hf_plain_runs else None
         for cfg in active:
             runs = [r for r in results[cfg.name] if r.workload == workload]
             if runs:
-                rows.append(summarize(cfg, workload, runs, costs=costs, baseline_tps=baseline,
-                                      references=references, greedy_prompts=greedy, hf_plain_tps=hf_plain))
+                rows.append(summarize(cfg, workload, runs, costs=costs, baseline=off_runs,
+                                      references=references, greedy_prompts=greedy, hf_plain=hf_plain_runs))
     return rows
 
 
