@@ -277,6 +277,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ingress", choices=["separate", "in_unit"], default="in_unit",
                    help="the local Serve's layout (with --http): the unit serving HTTP itself "
                         "(serve_config.yaml's), or an Ingress deployment before the unit (several models)")
+    p.add_argument("--stream-interval", type=int, default=4,
+                   help="the local Serve's stream_interval (with --http): tokens per streamed chunk "
+                        "(serve_config.yaml's 4; 1: a chunk per round)")
     p.add_argument("--model", default="SmolLM2-135M-Instruct", help="served model name (with --url)")
     p.add_argument("--target", help="target model (default: the demo pair)")
     p.add_argument("--draft", help="draft model (default: the demo pair)")
@@ -346,7 +349,7 @@ def run(args, progress: Progress = QUIET) -> dict:
         with progress.phase("HTTP: start a local Serve", 1) as phase:
             phase.now(f"127.0.0.1:{args.port}")
             stop = local_server()(models, port=args.port, name="sweep", max_num_seqs=max(levels),
-                                  ingress=args.ingress)
+                                  ingress=args.ingress, stream_interval=args.stream_interval)
             phase.advance()
         try:
             url = f"http://127.0.0.1:{args.port}"
