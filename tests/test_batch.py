@@ -673,3 +673,25 @@ def test_a_request_streamed_in_intervals_gets_the_same_tokens_in_fewer_hand_over
     assert four == one and len(one) == 30
     assert len(sizes_one) == rounds_one  # one hand-over per round
     assert sum(sizes_four) == 30 and all(n >= 4 for n in sizes_four[1:-1]) and len(sizes_four) < rounds_four
+
+
+def test_the_verify_cost_is_flat_while_a_pass_is_memory_bound_and_a_line_after():
+    """A few tokens cost what one does, 17 cost twice as much (the demo target's pattern on a
+    2-core AMD EPYC with AVX-512 BF16): the unit's cost model keeps v(1..4) at 1 and prices 16
+    drafts at about twice a step; one line through the same points (``_Line``, the former
+    model) charged 9% for one draft. Points on a line are fitted as that line."""
+    from specdec.engine.schedule import StepCosts, _Curve, _Line
+
+    costs, line = StepCosts(), _Line(0.04, 0.03)
+    for _ in range(3):
+        for x, y in ((1, 0.034), (2, 0.033), (3, 0.0345), (4, 0.034), (5, 0.0335), (17, 0.075)):
+            costs.observe_verify(x, y)
+            line.observe(x, y)
+    assert [costs.v(k) for k in (1, 2, 3, 4)] == [1.0, 1.0, 1.0, 1.0]
+    assert 2.0 < costs.v(16) < 2.4
+    assert line(2) / line(1) > 1.05  # what a line made of the same points
+    curve, line = _Curve(0.04, 0.03), _Line(0.04, 0.03)
+    for x in (1, 2, 4, 8, 16, 32):
+        curve.observe(x, 0.03 + 0.002 * x)
+        line.observe(x, 0.03 + 0.002 * x)
+    assert all(curve(x) == pytest.approx(line(x), rel=1e-9) for x in (1, 3, 10, 40))

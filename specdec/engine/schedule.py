@@ -1,7 +1,8 @@
 """Choosing each request's k under load: the goodput rule (SmartSpec, arXiv 2406.14066).
 
 A step's time is modelled as ``T = verify(tokens in the batch) + sum_m draft_m(steps, rows)``,
-both linear and fitted online from the unit's own measurements. With per-token acceptance
+fitted online from the unit's own measurements: the draft steps as lines, the verify pass
+as a hinge (flat while a pass is memory-bound, then a line: ``_Curve``). With per-token acceptance
 ``a_i``, the j-th draft token of request i adds ``a_i^j`` expected tokens. Starting from
 ``k_i = 0`` for every row, draft tokens are added greedily, highest ``a_i^(k_i+1)`` first, while
 
@@ -73,6 +74,55 @@ class _Line:
         return self.a + self.b * x
 
 
+class _Curve(_Line):
+    """A pass's cost against its tokens: ``_Line``'s points fitted by a hinge, flat up to a knee
+    and a line after it, ``y = a + b * max(0, x - knee)``, the knee at the measured ``x`` that
+    fits best (least squares; ``x`` below every point: one line, as ``_Line``). A pass is flat
+    while it is memory-bound (a few tokens cost what one does) and grows once it is
+    compute-bound, which no one line fits: on the demo target (2-core AMD EPYC, AVX-512 BF16)
+    1-4 tokens took 32-35 ms and 17 tokens 75 ms, and a line through them priced one draft at 7%
+    of a step instead of none (``auto`` then fell back to plain decoding on chat). Two
+    parameters and a knee over every point, not a curve through each: a point's EWMA carries
+    this machine's noise (+-10%), which a fit through every point would follow.
+
+        >>> curve = _Curve(0.04, 0.03)
+        >>> for x, y in ((1, 0.034), (2, 0.033), (4, 0.034), (17, 0.075)):
+        ...     curve.observe(x, y)
+        >>> [round(curve(x) / curve(1), 2) for x in (2, 3, 5, 17)]   # a line through the points: 1.09, 1.18, 1.36, 2.45
+        [1.0, 1.0, 1.09, 2.23]
+    """
+
+    def __init__(self, prior_a: float, prior_slope: float, points: int = 32, ewma: float = 0.2):
+        super().__init__(prior_a, prior_slope, points, ewma)
+        self._hinge: tuple[float, float, float] | None = None  # (a, b, knee)
+
+    def observe(self, x: float, y: float) -> None:
+        super().observe(x, y)
+        points = sorted(self.means.items())
+        if len(points) < 3:
+            self._hinge = None
+            return
+        best = None
+        for knee in [points[0][0] - 1, *(px for px, _ in points[:-1])]:
+            zs = [max(0.0, px - knee) for px, _ in points]
+            n = len(points)
+            mz, my = sum(zs) / n, sum(py for _, py in points) / n
+            var = sum((z - mz) ** 2 for z in zs)
+            b = max(0.0, sum((z - mz) * (py - my) for z, (_, py) in zip(zs, points)) / var) if var > 0 else 0.0
+            a = my - b * mz
+            sse = sum((a + b * z - py) ** 2 for z, (_, py) in zip(zs, points))
+            if best is None or sse < best[0] - 1e-15:
+                best = (sse, max(a, 1e-6), b, knee)
+        self._hinge = best[1:]  # one assignment: a reader on another thread sees the old or the new
+
+    def __call__(self, x: float) -> float:
+        hinge = self._hinge
+        if hinge is None:
+            return super().__call__(x)
+        a, b, knee = hinge
+        return a + b * max(0.0, x - knee)
+
+
 class StepCosts:
     """The unit's measured step costs, fitted online (thread-safe).
 
@@ -89,7 +139,7 @@ class StepCosts:
 
     def __init__(self, prior_c: dict[str, float] | None = None, prior_verify_slope: float = 0.03):
         self.prior_c = {"draft": 0.15, "ngram": 0.01, "early_exit": 0.3, "eagle": 0.1, "medusa": 0.05, **(prior_c or {})}
-        self._verify = _Line(PRIOR_STEP_S, prior_verify_slope)
+        self._verify = _Curve(PRIOR_STEP_S, prior_verify_slope)
         self._draft: dict[str, _Line] = {}
         self._lock = threading.Lock()
         # The policy's view (``c``, ``v``), computed once between observations: every row of a
