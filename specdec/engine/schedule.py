@@ -2,7 +2,7 @@
 
 A step's time is modelled as ``T = verify(tokens in the batch) + sum_m draft_m(steps, rows)``,
 both linear and fitted online from the unit's own measurements. (A lone request's policy reads
-the same passes as a hinge instead, ``_Curve``: flat while a pass is memory-bound, then a line.) With per-token acceptance
+the same passes as a hinge instead, ``_Curve.hinge``: flat while memory-bound, then a line.) With per-token acceptance
 ``a_i``, the j-th draft token of request i adds ``a_i^j`` expected tokens. Starting from
 ``k_i = 0`` for every row, draft tokens are added greedily, highest ``a_i^(k_i+1)`` first, while
 
@@ -75,21 +75,24 @@ class _Line:
 
 
 class _Curve(_Line):
-    """A pass's cost against its tokens: ``_Line``'s points fitted by a hinge, flat up to a knee
-    and a line after it, ``y = a + b * max(0, x - knee)``, the knee at the measured ``x`` that
-    fits best (least squares; ``x`` below every point: one line, as ``_Line``). A pass is flat
-    while it is memory-bound (a few tokens cost what one does) and grows once it is
-    compute-bound, which no one line fits: on the demo target (2-core AMD EPYC, AVX-512 BF16)
+    """``_Line`` (``curve(x)``, the goodput rule's) that also fits its points with a hinge,
+    ``curve.hinge(x) = a + b * max(0, x - knee)``: flat up to a knee, a line after it, the knee
+    at the measured ``x`` that fits best (least squares; a knee below every point is one line).
+    A pass is flat while it is memory-bound (a few tokens cost what one does) and grows once it
+    is compute-bound, which no one line fits: on the demo target (2-core AMD EPYC, AVX-512 BF16)
     1-4 tokens took 32-35 ms and 17 tokens 75 ms, and a line through them priced one draft at 7%
     of a step instead of none (``auto`` then fell back to plain decoding on chat). Two
     parameters and a knee over every point, not a curve through each: a point's EWMA carries
-    this machine's noise (+-10%), which a fit through every point would follow.
+    this machine's noise (+-10%), which a fit through every point would follow. Each knee's fit
+    is O(1) from suffix sums: the refit after every step stays a few tens of microseconds.
 
         >>> curve = _Curve(0.04, 0.03)
         >>> for x, y in ((1, 0.034), (2, 0.033), (4, 0.034), (17, 0.075)):
         ...     curve.observe(x, y)
-        >>> [round(curve(x) / curve(1), 2) for x in (2, 3, 5, 17)]   # a line through the points: 1.09, 1.18, 1.36, 2.45
+        >>> [round(curve.hinge(x) / curve.hinge(1), 2) for x in (2, 3, 5, 17)]
         [1.0, 1.0, 1.09, 2.23]
+        >>> [round(curve(x) / curve(1), 2) for x in (2, 3, 5, 17)]   # the line through the same points
+        [1.09, 1.18, 1.36, 2.45]
     """
 
     def __init__(self, prior_a: float, prior_slope: float, points: int = 32, ewma: float = 0.2):
@@ -98,28 +101,42 @@ class _Curve(_Line):
 
     def observe(self, x: float, y: float) -> None:
         super().observe(x, y)
-        points = sorted(self.means.items())
-        if len(points) < 3:
+        pts = sorted(self.means.items())
+        n = len(pts)
+        if n < 3:
             self._hinge = None
             return
-        best = None
-        for knee in [points[0][0] - 1, *(px for px, _ in points[:-1])]:
-            zs = [max(0.0, px - knee) for px, _ in points]
-            n = len(points)
-            mz, my = sum(zs) / n, sum(py for _, py in points) / n
-            var = sum((z - mz) ** 2 for z in zs)
-            b = max(0.0, sum((z - mz) * (py - my) for z, (_, py) in zip(zs, points)) / var) if var > 0 else 0.0
-            a = my - b * mz
-            sse = sum((a + b * z - py) ** 2 for z, (_, py) in zip(zs, points))
-            if best is None or sse < best[0] - 1e-15:
-                best = (sse, max(a, 1e-6), b, knee)
-        self._hinge = best[1:]  # one assignment: a reader on another thread sees the old or the new
+        my = sum(py for _, py in pts) / n
+        syy = sum((py - my) ** 2 for _, py in pts)
+        best = (syy, my, 0.0, pts[-1][0])  # flat: (sse, a, b, knee)
+        s1 = s2 = sxy = sy = 0.0  # suffix sums over the points right of the knee
+        for j in range(n - 1, -1, -1):
+            knee = pts[j][0] if j > 0 else pts[0][0] - 1  # j = 0: every point on the line
+            if j > 0:
+                px, py = pts[j]
+                s1, s2, sxy, sy = s1 + px, s2 + px * px, sxy + px * py, sy + py
+                m = n - j  # points right of the knee x_{j-1}
+                knee = pts[j - 1][0]
+            else:
+                px, py = pts[0]
+                s1, s2, sxy, sy = s1 + px, s2 + px * px, sxy + px * py, sy + py
+                m = n
+            sz = s1 - m * knee
+            szz = s2 - 2 * knee * s1 + m * knee * knee - sz * sz / n
+            szy = (sxy - knee * sy) - sz * my
+            if szz <= 0 or szy <= 0:
+                continue
+            b = szy / szz
+            sse = syy - szy * b
+            if sse <= best[0] * (1 + 1e-9):  # a tie goes to the knee further left (a line below the points)
+                best = (sse, my - b * sz / n, b, knee)
+        self._hinge = (max(best[1], 1e-6), best[2], best[3])  # one assignment: readers see old or new
 
-    def __call__(self, x: float) -> float:
-        hinge = self._hinge
-        if hinge is None:
-            return super().__call__(x)
-        a, b, knee = hinge
+    def hinge(self, x: float) -> float:
+        fit = self._hinge
+        if fit is None:
+            return self(x)
+        a, b, knee = fit
         return a + b * max(0.0, x - knee)
 
 
@@ -135,7 +152,7 @@ class StepCosts:
     It also serves each request's ``SpeculationPolicy`` as its cost model, in the units of a
     lone request: ``step_s`` = a 1-token pass, ``c(mode)`` = a 1-row draft step / step_s,
     ``v(k)`` = a (k+1)-token pass / step_s, read from the same passes fitted as a hinge
-    (``_Curve``). The goodput rule keeps the line over a batch's tokens: with the hinge there,
+    (``_Curve.hinge``). The goodput rule keeps the line over a batch's tokens: with the hinge there,
     drafts below the knee looked free to a batch, and ``auto`` lost throughput at 4 streams
     (paired through HTTP, 2-core AMD EPYC with AVX-512 BF16: 0.93x plain against 0.99x with
     the line; a lone stream 1.17x against 1.03x with the hinge in the policy).
@@ -143,8 +160,7 @@ class StepCosts:
 
     def __init__(self, prior_c: dict[str, float] | None = None, prior_verify_slope: float = 0.03):
         self.prior_c = {"draft": 0.15, "ngram": 0.01, "early_exit": 0.3, "eagle": 0.1, "medusa": 0.05, **(prior_c or {})}
-        self._verify = _Line(PRIOR_STEP_S, prior_verify_slope)  # the goodput rule's: a batch's tokens
-        self._pass = _Curve(PRIOR_STEP_S, prior_verify_slope)  # the policy's: one request's k + 1
+        self._verify = _Curve(PRIOR_STEP_S, prior_verify_slope)  # a line for a batch, a hinge for one request
         self._draft: dict[str, _Line] = {}
         self._lock = threading.Lock()
         # The policy's view (``c``, ``v``), computed once between observations: every row of a
@@ -155,7 +171,6 @@ class StepCosts:
     def observe_verify(self, tokens: int, seconds: float) -> None:
         with self._lock:
             self._verify.observe(tokens, seconds)
-            self._pass.observe(tokens, seconds)
             self._c, self._v = {}, {}
 
     def observe_draft(self, mode: str, rows: int, seconds_per_step: float) -> None:
@@ -201,7 +216,7 @@ class StepCosts:
         memo = self._v
         v = memo.get(k)
         if v is None:
-            v = memo[k] = 1.0 if k == 0 else max(1.0, self._pass(k + 1) / self._pass(1))
+            v = memo[k] = 1.0 if k == 0 else max(1.0, self._verify.hinge(k + 1) / self._verify.hinge(1))
         return v
 
 
