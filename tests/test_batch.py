@@ -259,7 +259,8 @@ def test_the_guard_compares_steps_of_a_bucket_per_row():
 
 def test_the_guard_explores_only_on_steps_it_observes():
     """Once the guard knows speculation loses at a batch size, it runs the losing arm only on
-    every ``explore``-th step it will observe; a step with a prompt in it (``observed=False``,
+    the ``explore``-th step it will observe, then at gaps that double while the winner stays (a
+    new winner starts them again); a step with a prompt in it (``observed=False``,
     never observed) stays on the winning arm and does not count towards the next exploration.
     Such a step speculates only on evidence that speculating wins: not while the guard knows
     nothing. Once it knows, no step speculates unless speculation wins by more than the margin."""
@@ -271,14 +272,18 @@ def test_the_guard_explores_only_on_steps_it_observes():
         guard.observe(8, True, tokens=8, seconds=0.1)
         guard.observe(8, False, tokens=10, seconds=0.1)
     assert not any(guard.allow(8, observed=False) for _ in range(100))
-    observed = [guard.allow(8) for _ in range(16)]
-    assert observed.count(True) == 2 and observed[6] and observed[14], observed  # the control: it does explore
+    observed = [guard.allow(8) for _ in range(119)]  # the bucket's observed steps 2-120
+    # the control: it does explore, at step 8, then at gaps that double while plain keeps winning
+    assert [2 + i for i, allowed in enumerate(observed) if allowed] == [8, 24, 56, 120], observed
     for _ in range(40):  # speculating now wins, but within the margin (1.02 of plain): no step speculates
         guard.observe(8, True, tokens=10.2, seconds=0.1)
     assert not guard.allow(8) and not guard.allow(8, observed=False)
     for _ in range(40):  # speculating wins
         guard.observe(8, True, tokens=12, seconds=0.1)
     assert guard.allow(8, observed=False)
+    # a new winner: the gap starts again, so plain is tried within `explore` steps
+    again = [guard.allow(8) for _ in range(8)]
+    assert again.count(False) == 1, again
 
 
 
@@ -305,12 +310,13 @@ def test_the_guard_learns_a_bucket_by_alternating_its_arms():
 
     guard = GoodputGuard(min_samples=8, explore=32)
     arms = []
-    for _ in range(64):
+    for _ in range(100):
         spec = guard.allow(16)
         arms.append(spec)
         guard.observe(16, spec, tokens=16 * (0.8 if spec else 1.0), seconds=0.1)  # speculation loses 20%
     assert arms[:16] == [True, False] * 8, arms
-    assert arms[16:].count(True) == 2 and arms[31] and arms[63], arms  # then every 32nd step explores
+    # then step 32 explores, and step 96: the gap doubles while plain keeps winning
+    assert [i + 1 for i, spec in enumerate(arms[16:], start=16) if spec] == [32, 96], arms
 
 # --- the step loop: exactness under batching ------------------------------------------------
 
