@@ -144,9 +144,11 @@ class SpeculationConfig(_Strict):
     )
 
     tree_width: int = Field(
-        4, ge=1, le=16, description="Token trees (modes draft_tree, eagle_tree): each expanded node's "
+        6, ge=1, le=16, description="Token trees (modes draft_tree, eagle_tree): each expanded node's "
         "most likely tokens tried, and nodes expanded per level. Wider trees hold the target's token "
-        "more often and cost more draft rows per pass."
+        "more often and cost more draft rows per pass; the node budget (tree_nodes) stays. On the "
+        "demo pair (chat, greedy, 16 nodes) widths 4 / 6 / 8 gave EAGLE trees a mean accepted length "
+        "of 1.86 / 1.90 / 1.91 at 25.9 / 25.2 / 22.0 tokens/s (2-core AMD EPYC, AVX-512 BF16)."
     )
 
     @model_validator(mode="before")

@@ -206,7 +206,7 @@ class SpeculationPolicy:
     k_request: int | None = None  # a request's explicit k (capped at k_max)
     adaptive: bool = True  # False: the request asked for a fixed mode and k
     tree_modes: dict[str, str] = field(default_factory=dict)  # tree mode -> the chain mode it grows trees of
-    tree_width: int = 4  # candidates per expanded node (``SpeculationConfig.tree_width``)
+    tree_width: int = 6  # candidates per expanded node (``SpeculationConfig.tree_width``)
     active: str = ""  # the drafter chosen last
     plain: bool = False  # in fallback
     plain_tokens: int = 0

@@ -55,7 +55,7 @@ class EagleDrafter:
 
     name = "eagle"
 
-    def __init__(self, runner: BatchRunner, head: EagleHead, tree_width: int = 4):
+    def __init__(self, runner: BatchRunner, head: EagleHead, tree_width: int = 6):
         runner.keep_features()
         self.tree_width = tree_width
         self.runner, self.head = runner, head.eval()

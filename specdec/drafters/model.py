@@ -19,7 +19,7 @@ from specdec.drafters.base import Chains, Drafted, DraftRow, Trees
 class ModelDrafter:
     name = "draft"
 
-    def __init__(self, runner: BatchRunner, tree_width: int = 4):
+    def __init__(self, runner: BatchRunner, tree_width: int = 6):
         self.runner = runner
         self.tree_width = tree_width
 

@@ -246,7 +246,7 @@ class StepLoop:
                  capacity_tokens: int, max_num_seqs: int = 16, step_tokens: int = 512,
                  policy: Callable[[], PolicyConfig] = PolicyConfig,
                  loop_drafters: dict[str, BatchDrafter] | None = None,
-                 default_k: int = 4, max_length: int | None = None, tree_width: int = 4,
+                 default_k: int = 4, max_length: int | None = None, tree_width: int = 6,
                  fixed_chunks: bool = False, prefix_caching: bool = True):
         self.target, self.draft, self.modes = target, draft, list(modes)
         self.loop_drafters = dict(loop_drafters or {})
