@@ -252,9 +252,37 @@ def test_the_guard_compares_steps_of_a_bucket_per_row():
     spec, plain = guard.state()[GoodputGuard.bucket(2)]
     assert abs(spec - 2.6 / 2 / 0.037) < 1e-9 and abs(plain - 1 / 0.036) < 1e-9
     assert all(guard.allow(2) for _ in range(5))
-    for _ in range(40):  # speculating now delivers less per row: vetoed
+    for _ in range(40):  # speculating now delivers less per row (22 tokens/s a row) ...
         guard.observe(2, True, tokens=2.0, seconds=0.045)
+    # ... which plain steps, the rare arm now (the ones it explores), show against it: vetoed
+    for _ in range(4):
+        guard.observe(3, False, tokens=3, seconds=0.036)
     assert not any(guard.allow(3) for _ in range(5))
+
+
+def test_the_guard_judges_the_rare_arm_against_the_other_arm_now():
+    """The machine slows by a third after the guard learned that plain wins by 20%: plain's
+    rate follows at once (every step), speculation's is old (it runs only to explore). Read as
+    two rates, the old fast speculating one would look like a win; the guard sets each
+    exploring step against plain's current rate and keeps vetoing. The control: speculation
+    that really wins after the slowdown is allowed."""
+    from specdec.engine.schedule import GoodputGuard
+
+    guard = GoodputGuard(min_samples=4, explore=1000)
+    for _ in range(6):
+        guard.observe(4, True, tokens=4 * 0.8, seconds=0.030)  # speculating: 0.8 of plain
+        guard.observe(4, False, tokens=4, seconds=0.030)
+    assert not guard.allow(4)
+    for _ in range(60):  # slower: plain steps take 45 ms
+        guard.observe(4, False, tokens=4, seconds=0.045)
+    spec, plain = guard.state()[GoodputGuard.bucket(4)]
+    assert spec > 1.03 * plain, (spec, plain)  # two rates would call speculation the winner
+    assert not guard.allow(4)
+    guard.observe(4, True, tokens=4 * 0.8, seconds=0.045)  # an exploring step, as slow: still 0.8
+    assert not guard.allow(4) and guard.ratio(4) < 1
+    for _ in range(6):  # the control: exploring steps that deliver 1.3x plain's current rate
+        guard.observe(4, True, tokens=4 * 1.3, seconds=0.045)
+    assert guard.allow(4) and guard.ratio(4) > 1.03
 
 
 def test_the_guard_explores_only_on_steps_it_observes():

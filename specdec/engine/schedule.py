@@ -314,8 +314,14 @@ class GoodputGuard:
     ``max_explore`` (a new winner starts it again at ``explore``). An exploring step is dear: a
     speculating step of 4 rows after a plain stretch catches every row's drafter up and verifies
     the drafts of whatever drafters the rows chose, 50-200 ms against a 30-40 ms plain step on
-    the demo pair (2-core AMD EPYC, AVX-512 BF16); every 32nd step, that was most of what
-    ``auto`` lost to plain decoding at 4 streams.
+    the demo pair (2-core AMD EPYC, AVX-512 BF16): 5-10 of them took 0.4-0.9 s of a 5 s turn
+    of 4 streams.
+
+    The decision compares the arms by a ratio, not by their two rates: the losing arm runs
+    rarely, so its rate is old when it is read, while the machine's speed drifts (this one's
+    plain step went from 30 to 45 ms within minutes, which made an old speculating rate look
+    like a win). Each step of the rare arm (either arm while learning) is set against the
+    current rate of the other, and the guard keeps an EWMA of those ratios.
 
         >>> g = GoodputGuard(min_samples=2, explore=100)
         >>> for _ in range(3):
@@ -332,6 +338,8 @@ class GoodputGuard:
         self._rate: dict[tuple[int, bool], float] = {}
         self._seen: dict[tuple[int, bool], int] = {}
         self._steps: dict[int, int] = {}
+        self._ratio: dict[int, float] = {}  # per bucket, EWMA of speculating / plain rate, from the rare arm's steps
+        self.ratio_ewma = 0.25  # its weight per step: the rare arm's steps are few
         self._winner: dict[int, bool] = {}  # per bucket, the arm that won when last asked (once known)
         self._gap: dict[int, int] = {}  # per bucket, steps from one exploring step to the next
         self._next: dict[int, int] = {}  # per bucket, the step that explores next
@@ -344,9 +352,15 @@ class GoodputGuard:
     def observe(self, rows: int, speculated: bool, *, tokens: int, seconds: float) -> None:
         if rows < 2 or seconds <= 0:
             return
-        key = (self.bucket(rows), speculated)
+        b = self.bucket(rows)
+        key = (b, speculated)
         with self._lock:
             rate = tokens / (rows * seconds)
+            other = self._rate.get((b, not speculated))
+            if other is not None and self._winner.get(b) != speculated:  # the rare arm, or learning
+                r = rate / other if speculated else other / rate
+                old = self._ratio.get(b)
+                self._ratio[b] = r if old is None else (1 - self.ratio_ewma) * old + self.ratio_ewma * r
             old = self._rate.get(key)
             self._rate[key] = rate if old is None else (1 - self.ewma) * old + self.ewma * rate
             self._seen[key] = self._seen.get(key, 0) + 1
@@ -368,10 +382,10 @@ class GoodputGuard:
         with self._lock:
             step = self._steps.get(b, 0) + int(observed)
             self._steps[b] = step
-            spec, plain = self._rate.get((b, True)), self._rate.get((b, False))
-            known = min(self._seen.get((b, True), 0), self._seen.get((b, False), 0)) >= self.min_samples
+            ratio = self._ratio.get(b)
+            known = ratio is not None and min(self._seen.get((b, True), 0), self._seen.get((b, False), 0)) >= self.min_samples
             # Nothing known yet: an observed step tries speculation (half of them, below); others stay plain.
-            wins = spec >= (1 + self.margin) * plain if known else observed
+            wins = ratio >= 1 + self.margin if known else observed
             if not observed:
                 return wins
             if not known:  # learn both arms quickly: alternate until each has min_samples
@@ -389,3 +403,8 @@ class GoodputGuard:
         """Per bucket: (speculating, plain) tokens/s per row, for operators and tests."""
         with self._lock:
             return {b: (self._rate.get((b, True)), self._rate.get((b, False))) for b in sorted({k[0] for k in self._rate})}
+
+    def ratio(self, rows: int) -> float | None:
+        """What speculating delivers per row over plain decoding at this batch size, as judged."""
+        with self._lock:
+            return self._ratio.get(self.bucket(rows))
