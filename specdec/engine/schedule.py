@@ -111,16 +111,10 @@ class _Curve(_Line):
         best = (syy, my, 0.0, pts[-1][0])  # flat: (sse, a, b, knee)
         s1 = s2 = sxy = sy = 0.0  # suffix sums over the points right of the knee
         for j in range(n - 1, -1, -1):
-            knee = pts[j][0] if j > 0 else pts[0][0] - 1  # j = 0: every point on the line
-            if j > 0:
-                px, py = pts[j]
-                s1, s2, sxy, sy = s1 + px, s2 + px * px, sxy + px * py, sy + py
-                m = n - j  # points right of the knee x_{j-1}
-                knee = pts[j - 1][0]
-            else:
-                px, py = pts[0]
-                s1, s2, sxy, sy = s1 + px, s2 + px * px, sxy + px * py, sy + py
-                m = n
+            px, py = pts[j]
+            s1, s2, sxy, sy = s1 + px, s2 + px * px, sxy + px * py, sy + py
+            m = n - j  # the points right of the knee
+            knee = pts[j - 1][0] if j > 0 else pts[0][0] - 1  # j = 0: a knee below every point (one line)
             sz = s1 - m * knee
             szz = s2 - 2 * knee * s1 + m * knee * knee - sz * sz / n
             szy = (sxy - knee * sy) - sz * my
