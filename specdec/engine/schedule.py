@@ -307,15 +307,16 @@ class GoodputGuard:
     would not, and while the winner stays the same, the gap to the next such step doubles, up to
     ``max_explore`` (a new winner starts it again at ``explore``). An exploring step is dear: a
     speculating step of 4 rows after a plain stretch catches every row's drafter up and verifies
-    the drafts of whatever drafters the rows chose, 50-200 ms against a 30-40 ms plain step on
-    the demo pair (2-core AMD EPYC, AVX-512 BF16): 5-10 of them took 0.4-0.9 s of a 5 s turn
-    of 4 streams.
+    the drafts of whatever drafters the rows chose, 29-204 ms (most 40-200) against a 33-49 ms
+    plain step on the demo pair (2-core AMD EPYC, AVX-512 BF16): 3-10 of them took 0.1-0.9 s of
+    a 4.5-6 s turn of 4 streams.
 
     The decision compares the arms by a ratio, not by their two rates: the losing arm runs
     rarely, so its rate is old when it is read, while the machine's speed drifts (this one's
     plain step went from 30 to 45 ms within minutes, which made an old speculating rate look
     like a win). Each step of the rare arm (either arm while learning) is set against the
-    current rate of the other, and the guard keeps an EWMA of those ratios.
+    current rate of the other, and the guard keeps an EWMA of those ratios (weight
+    ``ratio_ewma`` a step: the rare arm's steps are few).
 
         >>> g = GoodputGuard(min_samples=2, explore=100)
         >>> for _ in range(3):
@@ -326,14 +327,13 @@ class GoodputGuard:
     """
 
     def __init__(self, margin: float = 0.03, ewma: float = 0.1, min_samples: int = 8, explore: int = 32,
-                 max_explore: int = 512):
-        self.margin, self.ewma, self.min_samples = margin, ewma, min_samples
+                 max_explore: int = 512, ratio_ewma: float = 0.25):
+        self.margin, self.ewma, self.ratio_ewma, self.min_samples = margin, ewma, ratio_ewma, min_samples
         self.explore, self.max_explore = explore, max(explore, max_explore)
         self._rate: dict[tuple[int, bool], float] = {}
         self._seen: dict[tuple[int, bool], int] = {}
         self._steps: dict[int, int] = {}
         self._ratio: dict[int, float] = {}  # per bucket, EWMA of speculating / plain rate, from the rare arm's steps
-        self.ratio_ewma = 0.25  # its weight per step: the rare arm's steps are few
         self._winner: dict[int, bool] = {}  # per bucket, the arm that won when last asked (once known)
         self._gap: dict[int, int] = {}  # per bucket, steps from one exploring step to the next
         self._next: dict[int, int] = {}  # per bucket, the step that explores next
