@@ -356,9 +356,9 @@ def _step_attention(step: _Step, query, key, value, scaling) -> torch.Tensor:
         return out.transpose(1, 2).contiguous()
     out = query.new_empty(query.shape[1], query.shape[2], query.shape[3])  # [H, T, D]
     if p is not None:
-        out[:, p.tokens] = _packed_attention(p, query, key, value, scaling)
+        out.index_copy_(1, p.tokens, _packed_attention(p, query, key, value, scaling))
     for g in step.groups:
-        out[:, g.tokens] = _group_attention(g, query, key, value, scaling)
+        out.index_copy_(1, g.tokens, _group_attention(g, query, key, value, scaling))
     for i in step.alone:
         r = step.rows[i]
         out[:, r.t0: r.t0 + r.q] = _row_attention(r, query, key, value, scaling)[0]

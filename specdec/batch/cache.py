@@ -171,10 +171,13 @@ class FlatBatchCache(Cache):
         return self._write
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        # key_states: [1, kv_heads, T, head_dim]; the attention reads rows of the pool in place
+        # key_states: [1, kv_heads, T, head_dim]; the attention reads rows of the pool in place.
+        # index_copy_, not ``keys[:, rows] = ...``: on the compute thread the indexed assignment of a
+        # 20-token step took 80-100 us a call against 10-16 (the demo target, bf16, a 2-core AMD EPYC
+        # with AVX-512 BF16), a sixth of what a 17-token verify pass cost over a 1-token step.
         keys, values = self.keys[layer_idx], self.values[layer_idx]
-        keys[:, self._write] = key_states[0].to(keys.dtype)
-        values[:, self._write] = value_states[0].to(values.dtype)
+        keys.index_copy_(1, self._write, key_states[0].to(keys.dtype))
+        values.index_copy_(1, self._write, value_states[0].to(values.dtype))
         return keys, values
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

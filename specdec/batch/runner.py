@@ -235,10 +235,10 @@ class BatchRunner:
             s = torch.tensor(src, device=self.device)
             d = torch.tensor(dst, device=self.device)
             for keys, values in zip(self.cache.keys, self.cache.values):  # [heads, tokens, dim]
-                keys[:, d] = keys[:, s]
-                values[:, d] = values[:, s]
+                keys.index_copy_(1, d, keys.index_select(1, s))
+                values.index_copy_(1, d, values.index_select(1, s))
             if self.features is not None:
-                self.features[d] = self.features[s]
+                self.features.index_copy_(0, d, self.features.index_select(0, s))
 
     def _settle(self, seq: _Seq, key: str, ids: list[int]) -> None:
         """A sequence that held a tree and now goes on: keep the path ``ids`` takes through it."""
@@ -355,7 +355,7 @@ class BatchRunner:
         try:
             logits = self._logits(input_ids, position_ids, mask, keep)
             if self.features is not None:  # [1, T, d] -> the pool rows the step wrote
-                self.features[self.cache.written] = self._captured[0].to(self.features.dtype)
+                self.features.index_copy_(0, self.cache.written, self._captured[0].to(self.features.dtype))
                 self._captured = None
         finally:
             self.cache.unbind()
