@@ -89,6 +89,29 @@ def test_a_tokens_logits_are_the_same_in_any_row_and_batch(target):
         assert torch.equal(logits, got["plain"]), name
 
 
+def test_a_chain_across_key_slot_counts_gives_each_token_its_decode_logits(target, monkeypatch):
+    """A verify pass of 11 queries whose key counts (60 to 70) straddle a key-slot count (64):
+    its queries attend in one call per slot count (``attention._Chain``, where
+    ``chain_calls_agree`` says it rounds as a lone query; else as a group), and every one of its
+    logits equals, bit for bit, the same token's logits from a plain decode step."""
+    calls = []
+    real = attention._chain_attention
+    monkeypatch.setattr(attention, "_chain_attention", lambda c, *a: calls.append(c.tokens.numel()) or real(c, *a))
+    ids = torch.randint(1, target.config.vocab_size, (70,), generator=torch.Generator().manual_seed(1)).tolist()
+    blocks = run_of(1, CAP)
+
+    def runner():
+        r = BatchRunner(target, capacity_tokens=2 * CAP, invariant=True)
+        r.forward([BatchRow("s", ids[:59], 0, blocks)])
+        return r
+
+    chain = runner().forward([BatchRow("s", ids, 11, blocks)])[0]  # after ids[59], ..., ids[69]
+    assert sorted(set(calls)) == [5, 6] and len(calls) == 2 * target.config.num_hidden_layers
+    r = runner()
+    for i in range(59, 70):
+        assert torch.equal(r.forward([BatchRow("s", ids[: i + 1], 1, blocks)])[0][0], chain[i - 59]), i
+
+
 def test_negative_control_the_fast_numerics_are_not_invariant(target):
     got = _logits_of_one_token(target, invariant=False)
     assert not all(torch.equal(logits, got["plain"]) for logits in got.values())
