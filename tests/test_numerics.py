@@ -89,11 +89,15 @@ def test_a_tokens_logits_are_the_same_in_any_row_and_batch(target):
         assert torch.equal(logits, got["plain"]), name
 
 
-def test_a_chain_across_key_slot_counts_gives_each_token_its_decode_logits(target, monkeypatch):
+@pytest.mark.parametrize("one_call", [True, False], ids=["one-call", "fallback"])
+def test_a_chain_across_key_slot_counts_gives_each_token_its_decode_logits(target, monkeypatch, one_call):
     """A verify pass of 11 queries whose key counts (60 to 70) straddle a key-slot count (64):
     its queries attend in one call per slot count (``attention._Chain``, where
-    ``chain_calls_agree`` says it rounds as a lone query; else as a group), and every one of its
-    logits equals, bit for bit, the same token's logits from a plain decode step."""
+    ``chain_calls_agree`` says it rounds as a lone query; else, and here when told it does not,
+    as a group), and every one of its logits equals, bit for bit, the same token's logits from a
+    plain decode step."""
+    if not one_call:
+        monkeypatch.setattr(attention, "chain_calls_agree", lambda *shape: False)
     calls = []
     real = attention._chain_attention
     monkeypatch.setattr(attention, "_chain_attention", lambda c, *a: calls.append(c.tokens.numel()) or real(c, *a))

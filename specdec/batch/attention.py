@@ -190,19 +190,24 @@ class _Chain:
     prefix, the row's keys gathered once (not once a query, as a ``_Group`` does). Where
     ``chain_calls_agree`` says such a call rounds each query exactly as its own ``_Group`` entry
     would, the outputs are the same bits; elsewhere the queries attend as a ``_Group``
-    (``fallback``). On the demo target's shape, 17 queries over 256 keys took 0.16 ms against
+    (``fallback``, built only then). On the demo target's shape, 17 queries over 256 keys took 0.16 ms against
     0.49 ms as 17 entries, and 0.38 against 6.5 ms over 768 keys (bf16, 2-core AMD EPYC with
     AVX-512 BF16): a verify pass's attention no longer grows with its drafts times its context.
 
     tokens: [b] the flat tokens of the queries, in the row's order; counts: [b] the keys each
-    sees (a prefix of ``keys``); keys: [L] pool rows (0, the scratch row, past the row's keys)."""
+    sees (a prefix of ``keys``); keys: [L] pool rows (0, the scratch row, past the row's keys);
+    queries: (flat token, key rows) of each, for ``fallback``."""
 
     tokens: torch.Tensor
     counts: torch.Tensor
     keys: torch.Tensor
     l: int  # noqa: E741
-    fallback: _Group
+    queries: list[tuple[int, torch.Tensor]]
     _masks: dict = dataclasses.field(default_factory=dict)
+
+    @functools.cached_property
+    def fallback(self) -> _Group:
+        return _groups(self.queries, self.tokens.device)[0]
 
     def mask(self, groups: int) -> torch.Tensor:
         """[1, 1, rows, L] bool: query row (j, g) sees its query's prefix; ``rows`` is ``b * groups``
@@ -243,7 +248,7 @@ def _split_chains(r: RaggedRow, device) -> tuple[list[_Chain], list[tuple[int, t
         n = min(r.n, length)
         keys[:n] = rows[:n]
         chains.append(_Chain(torch.tensor([r.t0 + j for j in js], device=device), counts[js].to(device),
-                             keys.to(device), length, _groups([queries[j] for j in js], device)[0]))
+                             keys.to(device), length, [queries[j] for j in js]))
     return chains, rest
 
 
@@ -375,11 +380,10 @@ def chain_calls_agree(kv_heads: int, groups: int, dim: int, dtype: torch.dtype, 
         return torch.randn(*shape, generator=gen).to(dtype=dtype, device=device)
 
     for n0 in (37, 250, 700):
-        for b in (2, 3, 5, 17):
+        for size in (2, 3, 5, 17):
             for _ in range(2):
-                counts = [n0 + j for j in range(b)]
-                length = key_slots(counts[-1])
-                counts = [n for n in counts if key_slots(n) == length]
+                length = key_slots(n0 + size - 1)
+                counts = [n for n in range(n0, n0 + size) if key_slots(n) == length]  # as _split_chains
                 b = len(counts)
                 if b < CHAIN_MIN_QUERIES:
                     continue
