@@ -147,12 +147,9 @@ def test_one_padded_call_and_rows_alone_give_the_logits_of_a_dense_forward(model
     monkeypatch.setattr(attention, "pack", lambda rows, dev: packs.append(real_pack(rows, dev)) or packs[-1])
     cap = 128
     runner = BatchRunner(model, capacity_tokens=8 * cap, invariant=invariant)
-    groups = []
-    real_groups = attention._groups
-    monkeypatch.setattr(attention, "_groups", lambda queries, dev: groups.append(real_groups(queries, dev)) or groups[-1])
-    chains = []
-    real_split = attention._split_chains
-    monkeypatch.setattr(attention, "_split_chains", lambda r, dev: chains.extend(real_split(r, dev)[0]) or real_split(r, dev))
+    steps = []  # each bound step's attention plan
+    real_bind = attention.bind
+    monkeypatch.setattr(attention, "bind", lambda *a, **kw: real_bind(*a, **kw) or steps.append(attention._BOUND.step))
     gen = torch.Generator().manual_seed(0)
     ids = [torch.randint(1, 300, (n,), generator=gen).tolist() for n in (6, 9, 7, 8, 40, 90)]
     tree_tokens, parents = [11, 12, 13, 14], (-1, -1, 0, 0)
@@ -163,12 +160,11 @@ def test_one_padded_call_and_rows_alone_give_the_logits_of_a_dense_forward(model
             BatchRow("3", ids[3] + tree_tokens, 5, at(3), parents),  # a tree
             BatchRow("4", ids[4], 1, at(4)),  # a whole prompt: 40 queries
             BatchRow("5", ids[5], 1, at(5))]  # 90 keys: over twice the median
-    chains.clear()
     out = runner.forward(rows)
     if invariant:  # no packing; of the 12 queries of rows 0-3 and 5, the chain's 4 share a call (one key
         # count), the others are grouped by key count (padding: none)
-        assert not packs and [c.tokens.numel() for c in chains] == [4]
-        assert sum(g.tokens.numel() for g in groups[-1]) == 1 + 1 + 5 + 1
+        assert not packs and [c.tokens.numel() for c in steps[-1].chains] == [4]
+        assert sum(g.tokens.numel() for g in steps[-1].groups) == 1 + 1 + 5 + 1
     else:
         expected_packed = [0, 1, 2, 3] if max_queries else None
         assert (packs[-1].rows if packs[-1] else None) == expected_packed
