@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from specdec.config import Mode
 from specdec.stats import RoundStats
+from specdec.trees import Price
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -282,11 +283,24 @@ class SpeculationPolicy:
         cfg = self.config()
         if not (self.adaptive and cfg.confidence_stop):
             return 0.0
-        tree = mode in self.tree_modes
-        acc, pred = self.record.calibration.get(self.tree_modes[mode] if tree else mode, (1.0, 1.0))
-        kappa = min(4.0, max(0.25, acc / pred)) if pred > 0 else 1.0
-        cost = (0.0 if tree else self.costs.c(mode)) + max(0.0, self.costs.v(2) - self.costs.v(1))
-        return min(0.95, max(1.0, self._speedup) * cost / kappa)
+        cost = (0.0 if mode in self.tree_modes else self.costs.c(mode)) + max(0.0, self.costs.v(2) - self.costs.v(1))
+        return min(0.95, max(1.0, self._speedup) * cost / self._kappa(mode))
+
+    def _kappa(self, mode: str) -> float:
+        """The calibration of ``mode``'s confidences (a tree's: its chain drafter's): accepted
+        drafts over those its probabilities predicted, within [0.25, 4]."""
+        acc, pred = self.record.calibration.get(self.tree_modes.get(mode, mode), (1.0, 1.0))
+        return min(4.0, max(0.25, acc / pred)) if pred > 0 else 1.0
+
+    def node_price(self, mode: str, k: int, nodes: int) -> Price | None:
+        """What this request's tree of depth ``k`` pays for each of at most ``nodes`` nodes
+        (``specdec.trees.Price``): the verify pass ``v(n)`` and its ``k`` draft passes, in plain
+        steps, and the chain drafter's calibration. None (fill the budget) where ``stop_below``
+        is 0: a request with an explicit k, or the confidence stop turned off."""
+        cfg = self.config()
+        if not (self.adaptive and cfg.confidence_stop) or mode not in self.tree_modes or nodes <= 0:
+            return None
+        return Price(tuple(self.costs.v(n) for n in range(nodes + 1)), k * self.costs.c(mode), self._kappa(mode))
 
     def tree_size(self, mode: str, cfg: PolicyConfig | None = None) -> int:
         """The nodes a round of tree ``mode`` is expected to verify: what its rounds proposed

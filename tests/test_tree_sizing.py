@@ -11,6 +11,7 @@ import torch
 from specdec.config import ModelConfig, SpeculationConfig
 from specdec.drafters import _head_dtype
 from specdec.drafters.base import DraftRow, Proposal, Trees
+from specdec.drafters.model import ModelDrafter
 from specdec.drafters.medusa import medusa_tree
 from specdec.engine import Engine
 from specdec.engine.schedule import StepCosts
@@ -18,6 +19,7 @@ from specdec.engine.target import leaf
 from specdec.policy import DrafterRecord, PolicyConfig, SpeculationPolicy
 from specdec.sampling import SamplingParams
 from specdec.stats import RoundStats
+from specdec.trees import Price
 from specdec.verify import Verdict
 
 
@@ -30,9 +32,10 @@ def _logits(*rows: list[float], vocab: int = 8) -> torch.Tensor:
     return torch.stack(out)
 
 
-def _grow(stop_below: float) -> tuple[Proposal, int]:
+def _grow(stop_below: float, price: Price | None = None) -> tuple[Proposal, int]:
     """A width-2 tree of depth <= 3: the root's children 0.6 / 0.3, each node's 0.5 / 0.2."""
-    trees = Trees([DraftRow("a", [1, 2], 3, SamplingParams(), 0, nodes=8, stop_below=stop_below)], width=2)
+    row = DraftRow("a", [1, 2], 3, SamplingParams(), 0, nodes=8, stop_below=stop_below, price=price)
+    trees = Trees([row], width=2)
     trees.extend(_logits([0.6, 0.3]), [0])
     while trees.live():
         trees.extend(_logits(*[[0.5, 0.2]] * len(trees.grown[0].frontier)), [0])
@@ -52,6 +55,49 @@ def test_a_tree_keeps_the_nodes_whose_path_probability_pays_and_stops_expanding_
     assert sized_steps == 3
     one, _ = _grow(0.9)  # nothing pays: the root's best child is still proposed (as a chain's first draft)
     assert one.tokens == [0] and one.parents == (-1,)
+
+
+def _rate(price: Price, reach: list[float], n: int) -> float:
+    """Expected tokens per unit of round time with the best ``n`` of ``reach`` verified."""
+    return (1 + price.kappa * sum(reach[:n])) / (price.v[n] + price.fixed)
+
+
+HINGE = (1.0, 1.0, 1.0, 1.0) + tuple(1.0 + 0.06 * n for n in range(1, 14))  # v(0..16): flat to 3 nodes, then 0.06 a node
+
+
+def test_a_price_keeps_the_tree_size_that_brings_the_most_tokens_per_unit_of_time():
+    reach = [0.6, 0.3, 0.3, 0.15, 0.15, 0.12, 0.06, 0.05, 0.03, 0.02]
+    flat = Price((1.0,) * 17, fixed=0.3)
+    assert flat.size(reach) == len(reach)  # every node is free: all of them
+    for price in (Price(HINGE, 0.3), Price(HINGE, 0.3, kappa=0.4), Price(HINGE, 0.0, kappa=2.0), Price(HINGE[:6], 0.3)):
+        n = price.size(reach)
+        sizes = range(1, min(len(reach), len(price.v) - 1) + 1)
+        assert n in sizes and _rate(price, reach, n) == max(_rate(price, reach, m) for m in sizes), (price, n)
+    assert 3 <= Price(HINGE, 0.3).size(reach) < len(reach)  # the free nodes kept, the improbable ones not
+    assert Price(HINGE, 0.3, kappa=0.4).size(reach) < Price(HINGE, 0.3, kappa=2.0).size(reach)
+    assert Price(HINGE, 0.3).size([]) == 0 and Price(HINGE, 0.3).size([0.01]) == 1
+
+
+def test_trees_and_medusa_trees_propose_the_best_nodes_their_price_keeps():
+    full, _ = _grow(0.0)
+    reach = sorted((_reach(full, i) for i in range(len(full))), reverse=True)
+    steep = Price(HINGE[:2] + tuple(1.0 + 0.1 * n for n in range(1, 8)), fixed=0.2)  # 0.1 a node past the first
+    n = steep.size(reach)
+    assert 1 < n < len(full)
+    sized, steps = _grow(0.0, steep)
+    assert len(sized) == n and steps == 3  # the tree grew as before; the price chose what is verified
+    assert sorted(_reach(sized, i) for i in range(len(sized))) == pytest.approx(sorted(reach[:n]), abs=1e-6)
+    assert all(p < i for i, p in enumerate(sized.parents))  # ancestors kept, parents first
+    assert len(_grow(0.0, Price((1.0,) * 9, fixed=0.2))[0]) == 8  # nodes cost nothing: the budget
+    ids, logp = [[5, 7], [9, 4]], [[math.log(0.6), math.log(0.3)], [math.log(0.5), math.log(0.2)]]
+    reach = [0.6, 0.3, 0.3, 0.15, 0.12, 0.06]
+    n = steep.size(reach)
+    tokens, parents, _ = medusa_tree(ids, logp, 6, price=steep)
+    assert len(tokens) == n and tokens == medusa_tree(ids, logp, n)[0]
+
+
+def _reach(tree: Proposal, node: int) -> float:
+    return math.prod(tree.confidence[n] for n in _path(tree.parents, node))
 
 
 def _path(parents, node):
@@ -105,6 +151,23 @@ def test_a_tree_node_is_priced_by_its_verify_token_and_a_tree_by_the_nodes_it_pr
     assert policy.acceptance["draft_tree"] > a
 
 
+def test_an_adaptive_request_prices_its_tree_nodes_from_the_units_costs():
+    costs = _costs(0.03)
+    policy = SpeculationPolicy(modes=["draft", "draft_tree"], costs=costs,
+                               config=lambda: PolicyConfig(tree_nodes=16), tree_modes={"draft_tree": "draft"})
+    policy.record.calibration["draft"] = (0.3, 0.6)  # its chain's confidences said twice what was accepted
+    price = policy.node_price("draft_tree", 3, 12)
+    assert price.v == tuple(costs.v(n) for n in range(13)) and price.v[12] > price.v[1]
+    assert price.fixed == pytest.approx(3 * costs.c("draft_tree")) and price.kappa == pytest.approx(0.5)
+    assert policy.node_price("draft", 3, 12) is None  # a chain
+    fixed = SpeculationPolicy(modes=["draft_tree"], costs=costs, config=lambda: PolicyConfig(),
+                              tree_modes={"draft_tree": "draft"}, k_request=3, adaptive=False)
+    assert fixed.node_price("draft_tree", 3, 12) is None  # an explicit k fills the budget
+    off = SpeculationPolicy(modes=["draft_tree"], costs=costs, config=lambda: PolicyConfig(confidence_stop=False),
+                            tree_modes={"draft_tree": "draft"})
+    assert off.node_price("draft_tree", 3, 12) is None
+
+
 @pytest.fixture(scope="module")
 def engine(llama_pair):
     return Engine.load(ModelConfig(target=str(llama_pair["target"]), draft=str(llama_pair["draft"]), dtype="float32"),
@@ -133,6 +196,24 @@ def test_sized_trees_keep_greedy_output_and_the_unit_record_starts_the_next_requ
     later = engine.generate(engine.encode(prompt=PROMPTS[0]), max_tokens=2, mode="draft")
     # it never drafted a tree, yet it knows the tree's acceptance: its policy began from the record
     assert "draft_tree" in later.policy_summary["acceptance_estimate"]
+
+
+def test_adaptive_tree_rows_reach_the_drafter_with_their_price_and_explicit_k_rows_without(engine, monkeypatch):
+    seen = []
+    propose = ModelDrafter.propose
+
+    def spy(self, rows):
+        seen.extend((r.nodes, r.price) for r in rows if r.nodes)
+        return propose(self, rows)
+
+    monkeypatch.setattr(ModelDrafter, "propose", spy)
+    ids = engine.encode(prompt=PROMPTS[0])
+    plain = engine.generate(ids, max_tokens=16, mode="off")
+    assert engine.generate(ids, max_tokens=16, mode="draft_tree").token_ids == plain.token_ids
+    assert seen and all(price is not None and len(price.v) == nodes + 1 for nodes, price in seen), seen
+    seen.clear()
+    assert engine.generate(ids, max_tokens=16, mode="draft_tree", k=3).token_ids == plain.token_ids
+    assert seen and all(price is None for _, price in seen)
 
 
 def test_a_seeded_sampled_request_starts_from_priors_not_the_units_record(engine):

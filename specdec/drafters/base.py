@@ -73,7 +73,8 @@ class DraftRow:
     fed to the target), ``blocks`` its block table (a drafter with a cache lays it out like
     the target's: ``specdec.batch.blocks``). ``stop_below``: the row's chain stops once the product of the
     drafter's probabilities of its own tokens so far falls below it (0: draft all ``k``).
-    ``nodes``: 0 for a chain of ``k``; else a token tree of at most ``nodes`` nodes and depth ``k``."""
+    ``nodes``: 0 for a chain of ``k``; else a token tree of at most ``nodes`` nodes and depth ``k``,
+    of which ``price`` (``specdec.trees.Price``) keeps as many as pay (None: the whole budget)."""
 
     key: str
     context: list[int]
@@ -85,6 +86,7 @@ class DraftRow:
     nodes: int = 0
     prompt_len: int = 0  # where the output starts in ``context`` (the request's penalties count it)
     grammar: GrammarSpec | None = None  # structured output: drafts stay inside it (``specdec.grammar``)
+    price: trees.Price | None = None
 
     @property
     def capacity(self) -> int:
@@ -242,7 +244,9 @@ class Trees:
     drafter's tree stops early. The row's ``stop_below`` sizes the tree by what it pays: a node
     whose path probability ``exp(value)`` is below it is neither expanded nor proposed (the best
     child of the pending token always is). The loop sets it where one more verify token would
-    cost more than the node is expected to add (``SpeculationPolicy.stop_below``).
+    cost more than the node is expected to add (``SpeculationPolicy.stop_below``). Of the nodes
+    that pass it, the row's ``price`` keeps the best ``n`` that bring the most tokens per unit of
+    the round's time (``specdec.trees.Price``).
 
     Candidates: a greedy row's are the drafter's ``width`` top tokens (point masses). A sampled
     row DRAWS its ``width`` candidates at each node it expands, without replacement from its
@@ -357,12 +361,15 @@ class Trees:
                 continue
             order = sorted(range(len(g.tokens)), key=lambda j: (-g.value[j], j))
             floor = math.log(row.stop_below) if row.stop_below > 0 else -math.inf
-            chosen: set[int] = set()
+            chosen: dict[int, None] = {}  # best first, each after its parent
             for j in order:
                 if len(chosen) >= row.nodes or (chosen and g.value[j] < floor):
                     break
                 if g.parents[j] == trees.ROOT or g.parents[j] in chosen:
-                    chosen.add(j)
+                    chosen[j] = None
+            if row.price is not None:
+                picked = list(chosen)
+                chosen = dict.fromkeys(picked[: row.price.size([math.exp(g.value[j]) for j in picked])])
             keep = sorted(chosen)
             index = {j: n for n, j in enumerate(keep)}
             parents = tuple(trees.ROOT if g.parents[j] == trees.ROOT else index[g.parents[j]] for j in keep)

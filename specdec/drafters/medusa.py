@@ -46,8 +46,8 @@ from specdec.sampling import draw, make_generator
 
 
 def medusa_tree(top_ids: Sequence[Sequence[int]], top_logp: Sequence[Sequence[float]], nodes: int,
-                width: int | None = None,
-                stop_below: float = 0.0) -> tuple[list[int], tuple[int, ...], tuple[float, ...]]:
+                width: int | None = None, stop_below: float = 0.0,
+                price: trees.Price | None = None) -> tuple[list[int], tuple[int, ...], tuple[float, ...]]:
     """The best token tree of at most ``nodes`` nodes from per-depth candidates (EAGLE-2 style).
 
     ``top_ids[d]`` / ``top_logp[d]`` [w]: head ``d``'s best tokens (distinct) and their
@@ -61,7 +61,8 @@ def medusa_tree(top_ids: Sequence[Sequence[int]], top_logp: Sequence[Sequence[fl
     as in ``specdec.trees`` (-1: a child of the pending token) and ``confidence`` each node's
     head probability ``exp(logp)``. ``stop_below``: a node whose path probability ``exp(value)``
     is below it is left out, as are its descendants (the best child of the root always stays),
-    so the tree is as large as it pays (``specdec.drafters.base.Trees``).
+    so the tree is as large as it pays (``specdec.drafters.base.Trees``); ``price`` then keeps
+    the best ``n`` of those (``specdec.trees.Price``).
 
     Worked example (two heads, two candidates each, four nodes)::
 
@@ -93,6 +94,8 @@ def medusa_tree(top_ids: Sequence[Sequence[int]], top_logp: Sequence[Sequence[fl
     kept = heapq.nsmallest(nodes, made, key=lambda n: (-n[0], n[1], n[2]))
     floor = math.log(stop_below) if stop_below > 0 else -math.inf
     kept = kept[:1] + [n for n in kept[1:] if n[0] >= floor]  # the first is the root's best child
+    if price is not None:
+        kept = kept[: price.size([math.exp(n[0]) for n in kept])]  # best first: ancestor-closed
     kept.sort(key=lambda n: (n[1], -n[0], n[2]))  # by depth: every parent before its children
     index = {n[2]: i for i, n in enumerate(kept)}
     parents = tuple(-1 if n[3] == -1 else index[n[3]] for n in kept)
@@ -157,7 +160,7 @@ class MedusaDrafter:
                 w = min(width, r.nodes)
                 tokens, parents, confidence = medusa_tree([t[:w] for t in top_ids[j][:k]],
                                                           [v[:w] for v in top_logp[j][:k]], r.nodes,
-                                                          stop_below=r.stop_below)
+                                                          stop_below=r.stop_below, price=r.price)
                 proposals[i] = Proposal(tokens, None, confidence, parents)
         return Drafted(proposals, time.perf_counter() - began, 1)
 
@@ -181,7 +184,7 @@ class MedusaDrafter:
         logq, ids = draw_without_replacement(q, min(width, row.nodes), gen)  # [k, w]: one draw a depth
         drawn = [[t for t, v in zip(ts, vs) if v > -math.inf] for ts, vs in zip(ids.tolist(), logq.tolist())]
         tokens, parents, confidence = medusa_tree(drawn, [[v for v in vs if v > -math.inf] for vs in logq.tolist()],
-                                                  row.nodes, stop_below=row.stop_below)
+                                                  row.nodes, stop_below=row.stop_below, price=row.price)
         if not tokens:
             return EMPTY_PROPOSAL
         depths = trees.depths(parents)

@@ -624,11 +624,12 @@ class StepLoop:
              k: int = 0, stop_below: float = 0.0) -> Row:
         index = len(live.rounds)
         context = context if context is not None else live.ids
-        nodes = 0
+        nodes, price = 0, None
         if k and DRAFTERS[mode].trees:  # the tree's budget; the range holds max(k_max, tree_nodes) + 1 more
             nodes = max(0, min(live.policy.config().tree_nodes, live.capacity - len(context) - 1))
+            price = live.policy.node_price(mode, k, nodes)
         return Row(live.key, context, tuple(live.blocks), emits, mode=mode, k=k, stop_below=stop_below,
-                   nodes=nodes, params=live.req.params, target_seed=round_seed(live.seed, index, TARGET),
+                   nodes=nodes, price=price, params=live.req.params, target_seed=round_seed(live.seed, index, TARGET),
                    draft_seed=round_seed(live.seed, index, DRAFT), prompt_len=len(live.req.prompt_ids),
                    logprobs=live.req.logprobs, grammar=live.req.grammar, **self._suppressed(live))
 

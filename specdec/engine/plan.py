@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specdec import trees
 from specdec.batch.blocks import BLOCK
 from specdec.drafters.base import EMPTY_PROPOSAL, Proposal
 from specdec.grammar import GrammarSpec
@@ -77,6 +78,7 @@ class Row:
     k: int = 0  # drafts to propose at most; 0 for plain rows and chunks
     stop_below: float = 0.0  # the confidence stop (``specdec.drafters.base.Chains``); 0: draft all k
     nodes: int = 0  # a tree mode's node budget (depth k); 0: a chain
+    price: trees.Price | None = None  # what its tree's nodes cost: it keeps those that pay (None: the budget)
     params: SamplingParams = SamplingParams()
     target_seed: int = 0  # round_seed(..., TARGET): verification's randomness
     draft_seed: int = 0  # round_seed(..., DRAFT): the drafter's

@@ -67,7 +67,7 @@ def allowed(row: Row, proposal: Proposal, width: int) -> torch.Tensor | None:
 
 def draft_rows(rows: list[Row]) -> list[DraftRow]:
     return [DraftRow(r.key, r.context, r.k, r.params, r.draft_seed, r.blocks, r.stop_below, r.nodes, r.prompt_len,
-                     r.grammar) for r in rows]
+                     r.grammar, r.price) for r in rows]
 
 
 @dataclass
