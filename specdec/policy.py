@@ -298,15 +298,30 @@ class SpeculationPolicy:
         steps, and the chain drafter's calibration. None (fill the budget) where ``stop_below``
         is 0: a request with an explicit k, or the confidence stop turned off."""
         cfg = self.config()
-        if not (self.adaptive and cfg.confidence_stop) or mode not in self.tree_modes or nodes <= 0:
+        if not self._priced(cfg) or mode not in self.tree_modes or nodes <= 0:
             return None
         return Price(tuple(self.costs.v(n) for n in range(nodes + 1)), k * self.costs.c(mode), self._kappa(mode))
 
+    def _priced(self, cfg: PolicyConfig) -> bool:
+        """Whether this request's trees are sized by their price (else they fill the budget)."""
+        return self.adaptive and cfg.confidence_stop
+
     def tree_size(self, mode: str, cfg: PolicyConfig | None = None) -> int:
         """The nodes a round of tree ``mode`` is expected to verify: what its rounds proposed
-        (an EWMA: ``stop_below`` sizes trees below the budget), else the budget ``tree_nodes``."""
+        (an EWMA: the price sizes trees below the budget). Before any: a priced tree, the nodes
+        that cost no more than the pending token's pass (below the verify curve's knee the price
+        keeps every node the drafter grows, and past it only the likely ones); an unpriced one,
+        the budget ``tree_nodes``. Priced at the budget, a tree looked dear (v(16) = 1.47 on the
+        demo target) and ``auto`` never tried one, while its rounds kept 3 nodes and beat the
+        chains (2-core AMD EPYC, AVX-512 BF16)."""
         cfg = cfg or self.config()
-        return max(1, min(cfg.tree_nodes, round(self.record.sizes.get(mode, cfg.tree_nodes))))
+        size = self.record.sizes.get(mode)
+        if size is None:
+            size = cfg.tree_nodes
+            if self._priced(cfg):
+                one = self.costs.v(1)
+                size = max((n for n in range(1, cfg.tree_nodes + 1) if self.costs.v(n) <= one * (1 + 1e-3)), default=1)
+        return max(1, min(cfg.tree_nodes, round(size)))
 
     def _best(self, cfg: PolicyConfig, skip: frozenset[str] = frozenset()) -> tuple[str, int, float] | None:
         """The best (mode, k, expected speedup) over the drafters but ``skip`` (None: no other)."""
@@ -320,7 +335,14 @@ class SpeculationPolicy:
             c = self.costs.c(mode)
             v = chain_v
             if mode in self.tree_modes:  # depth k, the same nodes whatever k: one verify of them all
-                v = [self.costs.v(self.tree_size(mode, cfg))] * (k_max + 1)
+                nodes = self.tree_size(mode, cfg)
+                v = [self.costs.v(nodes)] * (k_max + 1)
+                if self.adaptive and self.record.acceptance(mode) is None:
+                    # the prior: no deeper than its nodes, and a level tries what its nodes allow
+                    k, s = max(((j, expected_speedup(self._tree_prior(mode, cfg, nodes / j), j, c, v.__getitem__))
+                                for j in range(1, min(k_max, nodes) + 1)), key=lambda o: o[1])
+                    options.append((mode, k, s))
+                    continue
             if self.adaptive:
                 k, s = best_k(a, c, v, k_max)
             else:
@@ -337,15 +359,16 @@ class SpeculationPolicy:
             a = self._tree_prior(mode, cfg) if mode in self.tree_modes else cfg.prior_acceptance
         return a
 
-    def _tree_prior(self, mode: str, cfg: PolicyConfig) -> float:
+    def _tree_prior(self, mode: str, cfg: PolicyConfig, per_level: float | None = None) -> float:
         """A tree mode's per-level acceptance before any of its rounds: its chain drafter's,
         as if each level had ``width / 2`` independent tries (its candidates are the drafter's
-        top ``width``, and the first matters most): ``1 - (1 - a_chain)^(width / 2)``. Its own
-        rounds replace it at once; without it, ``auto`` would price a tree at a chain's
-        acceptance and never try one."""
+        top ``width``, and the first matters most), or ``per_level`` nodes a level if fewer:
+        ``1 - (1 - a_chain)^tries``. Its own rounds replace it at once; without it, ``auto``
+        would price a tree at a chain's acceptance and never try one."""
         chain = self.record.acceptance(self.tree_modes[mode])
         chain = cfg.prior_acceptance if chain is None else chain
-        return 1.0 - (1.0 - chain) ** max(1.0, self.tree_width / 2)
+        tries = self.tree_width / 2 if per_level is None else min(self.tree_width / 2, per_level)
+        return 1.0 - (1.0 - chain) ** max(1.0, tries)
 
     def decide(self, rounds: list[RoundStats], idle: Callable[[str], bool] | None = None) -> tuple[str, int]:
         """The next round's drafter and k (0: a plain round). ``idle(mode)``: whether that

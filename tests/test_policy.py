@@ -76,16 +76,20 @@ def drive(policy, accept, n_rounds, seed=0):
 
 def test_a_tree_mode_is_priced_by_its_nodes_and_tried_when_its_drafter_is_good():
     """A tree verifies all its nodes whatever its depth, and before its first round its
-    acceptance is its chain drafter's as if each level had width / 2 tries: cheap verification
-    and a decent drafter make auto try the tree; expensive verification keeps the chain."""
-    def policy(slope):
+    acceptance is its chain drafter's as if each level had width / 2 tries (or the nodes it
+    has there, if fewer), its nodes those that verify for free: a pass that costs what one token
+    does up to a few tokens and a decent drafter make auto try the tree; verification whose
+    every token costs keeps the chain (a tree of one node is a chain's first draft)."""
+    def policy(points):
         costs = StepCosts()
-        for tokens in (1, 5, 17):
-            costs.observe_verify(tokens, 0.01 * (1 + slope * (tokens - 1)))
+        for tokens, seconds in points:
+            costs.observe_verify(tokens, seconds)
         return SpeculationPolicy(modes=["draft", "draft_tree"], costs=costs, config=lambda: PolicyConfig(tree_nodes=16),
                                  tree_modes={"draft_tree": "draft"}, tree_width=4)
 
-    cheap, dear = policy(0.005), policy(0.1)
+    cheap = policy([(1, 0.010), (2, 0.010), (5, 0.010), (9, 0.0104), (17, 0.0112)])  # flat to 5 tokens
+    dear = policy([(t, 0.01 * (1 + 0.1 * (t - 1))) for t in (1, 5, 17)])
+    assert cheap.tree_size("draft_tree") == 4 and dear.tree_size("draft_tree") == 1
     assert cheap.estimate("draft_tree") == pytest.approx(1 - (1 - 0.6) ** 2)
     assert cheap.decide([RoundStats(0, "prefill", 0, 0, 0, 1, 0.0, 0.05), rnd(1, "off", 0, 0)])[0] == "draft_tree"
     assert dear.decide([RoundStats(0, "prefill", 0, 0, 0, 1, 0.0, 0.05), rnd(1, "off", 0, 0)])[0] == "draft"

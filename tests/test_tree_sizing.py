@@ -140,7 +140,7 @@ def test_a_tree_node_is_priced_by_its_verify_token_and_a_tree_by_the_nodes_it_pr
     dv = policy.costs.v(2) - policy.costs.v(1)
     assert policy.stop_below("draft_tree") == pytest.approx(dv)  # S = 1 before a decision, kappa = 1
     assert policy.stop_below("draft") == pytest.approx(policy.costs.c("draft") + dv)
-    assert policy.tree_size("draft_tree") == 16
+    assert policy.tree_size("draft_tree") == 1  # before its rounds: the nodes that cost nothing (a line: none)
     rounds = [RoundStats(0, "prefill", 0, 0, 0, 1, 0.0, 0.05)]
     rounds += [RoundStats(i, "draft_tree", 3, 5, 1, 2, 0.001, 0.01, full=False) for i in range(1, 40)]
     policy.observe(rounds)
@@ -149,6 +149,22 @@ def test_a_tree_node_is_priced_by_its_verify_token_and_a_tree_by_the_nodes_it_pr
     a = policy.acceptance["draft_tree"]
     policy.observe(rounds + [RoundStats(40, "draft_tree", 3, 5, 1, 2, 0.001, 0.01, full=True)])
     assert policy.acceptance["draft_tree"] > a
+
+
+def test_before_its_rounds_a_priced_tree_is_expected_to_keep_the_nodes_below_the_verify_curves_knee():
+    hinge = StepCosts()
+    for tokens, seconds in ((1, 0.010), (2, 0.010), (4, 0.010), (5, 0.010), (9, 0.014), (17, 0.022)):
+        hinge.observe_verify(tokens, seconds)  # flat to 5 tokens (4 nodes), then 1 ms a token
+    assert hinge.v(4) == hinge.v(1) < hinge.v(5)
+
+    def policy(**kw):
+        return SpeculationPolicy(modes=["draft", "draft_tree"], costs=hinge, tree_modes={"draft_tree": "draft"},
+                                 **{"config": lambda: PolicyConfig(tree_nodes=16), **kw})
+
+    assert policy().tree_size("draft_tree") == 4
+    assert policy(config=lambda: PolicyConfig(tree_nodes=3)).tree_size("draft_tree") == 3
+    assert policy(k_request=3, adaptive=False).tree_size("draft_tree") == 16  # unpriced: it fills the budget
+    assert policy(config=lambda: PolicyConfig(tree_nodes=16, confidence_stop=False)).tree_size("draft_tree") == 16
 
 
 def test_an_adaptive_request_prices_its_tree_nodes_from_the_units_costs():
