@@ -228,8 +228,11 @@ def test_adaptive_tree_rows_reach_the_drafter_with_their_price_and_explicit_k_ro
     assert engine.generate(ids, max_tokens=16, mode="draft_tree").token_ids == plain.token_ids
     assert seen and all(price is not None and len(price.v) == nodes + 1 for nodes, price in seen), seen
     seen.clear()
+    record = engine.loop.record.copy()
     assert engine.generate(ids, max_tokens=16, mode="draft_tree", k=3).token_ids == plain.token_ids
     assert seen and all(price is None for _, price in seen)
+    # its full-budget trees leave the unit's record of the priced ones alone
+    assert engine.loop.record.sizes == record.sizes and engine.loop.record.trials == record.trials
 
 
 def test_a_seeded_sampled_request_starts_from_priors_not_the_units_record(engine):

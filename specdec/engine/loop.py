@@ -766,7 +766,9 @@ class StepLoop:
             started_at=started_at, draft_error=draft_error, events=events, confidence=confidence, full=full,
         )
         live.rounds.append(stats)
-        if stats.drafted:
+        # A tree of a request with an explicit k fills its budget: it says nothing of the size,
+        # nor of the per-level acceptance, of the trees the unit's adaptive requests price.
+        if stats.drafted and (live.policy is None or live.policy.adaptive or not DRAFTERS[row.mode].trees):
             with self._record_lock:
                 self.record.observe(stats, UNIT_EWMA, self.policy_config().prior_acceptance, DRAFTERS[row.mode].trees)
         if index and live.policy is not None:
