@@ -99,9 +99,11 @@ class PolicyConfig(BaseModel):
         "memory; a new request starts from the unit's estimates over every request's rounds).")
     prior_acceptance: float = Field(0.6, ge=0, le=1, description="a before any round is seen.")
     tree_nodes: int = Field(
-        16, ge=1, le=64, description="A tree mode's (draft_tree, eagle_tree) nodes per round, its depth k: "
-        "the target verifies them all in one pass, so more nodes hold the target's token more often "
-        "and cost verify tokens (nearly free while a pass is memory-bound: a GPU, a small batch)."
+        16, ge=1, le=64, description="A tree mode's (draft_tree, eagle_tree, medusa_tree) most nodes per round, "
+        "its depth k: the target verifies them all in one pass, so more nodes hold the target's token more "
+        "often and cost verify tokens (nearly free while a pass is memory-bound: a GPU, a small batch). An "
+        "adaptive request keeps those that bring the most tokens per unit of time (trees.Price); one with "
+        "an explicit k verifies them all."
     )
     replay_fraction: float = Field(
         0.0, ge=0, le=1, description="Quality guard: this share of finished greedy requests that speculated is "
