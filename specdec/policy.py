@@ -320,12 +320,9 @@ class SpeculationPolicy:
         size = self.record.sizes.get(mode)
         if size is None:
             size = cfg.tree_nodes
-            if self._priced(cfg):  # v never falls as n grows: the last n at v(1), by bisection (every row, every step)
-                free, lo, hi = self.costs.v(1) * (1 + 1e-3), 1, cfg.tree_nodes
-                while lo < hi:
-                    mid = (lo + hi + 1) // 2
-                    lo, hi = (mid, hi) if self.costs.v(mid) <= free else (lo, mid - 1)
-                size = lo
+            if self._priced(cfg):
+                one = self.costs.v(1)
+                size = max((n for n in range(1, cfg.tree_nodes + 1) if self.costs.v(n) <= one * (1 + 1e-3)), default=1)
         return max(1, min(cfg.tree_nodes, round(size)))
 
     def _best(self, cfg: PolicyConfig, skip: frozenset[str] = frozenset()) -> tuple[str, int, float] | None:

@@ -223,8 +223,6 @@ def test_adaptive_tree_rows_reach_the_drafter_with_their_price_and_explicit_k_ro
         return propose(self, rows)
 
     monkeypatch.setattr(ModelDrafter, "propose", spy)
-    # a unit that has seen draft trees pay (else the tiny pair's measured costs may keep it plain)
-    monkeypatch.setattr(engine.loop, "record", DrafterRecord(trials={"draft_tree": (0.9, 0.1)}, sizes={"draft_tree": 4}))
     ids = engine.encode(prompt=PROMPTS[0])
     plain = engine.generate(ids, max_tokens=16, mode="off")
     assert engine.generate(ids, max_tokens=16, mode="draft_tree").token_ids == plain.token_ids
