@@ -329,6 +329,30 @@ def test_the_step_costs_price_decode_tokens_only(llama_pair):
     points = engine.costs._verify.means
     assert points and set(points) <= {1, 2}, points
 
+
+def test_the_first_pass_of_each_shape_is_not_a_cost_sample(llama_pair, monkeypatch):
+    """A shape's first pass builds its kernels (on the demo target, 2-4 tokens took 44-51 ms
+    the first time against 28-31 after): the unit's costs skip it, for verify passes (rows,
+    tokens) and each drafter's steps (rows), and take every pass of that shape after it."""
+    engine = Engine.load(ModelConfig(target=str(llama_pair["target"]), draft=str(llama_pair["draft"]), dtype="float32"),
+                         SpeculationConfig(), kv_cache_tokens=4096, max_num_seqs=4)
+    verify, draft = [], []
+    monkeypatch.setattr(engine.costs, "observe_verify", lambda tokens, s: verify.append(tokens))
+    monkeypatch.setattr(engine.costs, "observe_draft", lambda mode, rows, s: draft.append((mode, rows)))
+    ids = engine.encode(prompt=PROMPTS[0])
+    out = engine.generate(ids, max_tokens=6, mode="off")
+    assert len(out.token_ids) == 6 and verify == [1] * 4  # 5 decode steps of one token: the first not sampled
+    verify.clear()
+    engine.generate(ids, max_tokens=6, mode="off")
+    assert verify == [1] * 5  # a shape seen before: every step
+    verify.clear()
+    first = engine.generate(ids, max_tokens=8, mode="draft", k=2)
+    widths = [r.drafted + 1 for r in first.rounds[1:]]  # each round's verify pass (the prefill's aside)
+    assert sum(1 for r in first.rounds if r.mode == "draft") >= 2 and max(widths) > 1
+    assert verify == [w for i, w in enumerate(widths) if w == 1 or w in widths[:i]]  # each new width's first: skipped
+    assert draft == [("draft", 1)] * (sum(1 for r in first.rounds if r.mode == "draft") - 1)
+    engine.loop.close()
+
 def test_the_guard_learns_a_bucket_by_alternating_its_arms():
     """A bucket it knows nothing of: its observed steps alternate, so it knows both arms after
     ``2 * min_samples`` steps and has run the losing one (here speculation) in ``min_samples``
