@@ -320,9 +320,12 @@ class SpeculationPolicy:
         size = self.record.sizes.get(mode)
         if size is None:
             size = cfg.tree_nodes
-            if self._priced(cfg):
-                one = self.costs.v(1)
-                size = max((n for n in range(1, cfg.tree_nodes + 1) if self.costs.v(n) <= one * (1 + 1e-3)), default=1)
+            if self._priced(cfg):  # v never falls as n grows: the last n at v(1), by bisection (every row, every step)
+                free, lo, hi = self.costs.v(1) * (1 + 1e-3), 1, cfg.tree_nodes
+                while lo < hi:
+                    mid = (lo + hi + 1) // 2
+                    lo, hi = (mid, hi) if self.costs.v(mid) <= free else (lo, mid - 1)
+                size = lo
         return max(1, min(cfg.tree_nodes, round(size)))
 
     def _best(self, cfg: PolicyConfig, skip: frozenset[str] = frozenset()) -> tuple[str, int, float] | None:
@@ -341,9 +344,9 @@ class SpeculationPolicy:
                 v = [self.costs.v(nodes)] * (k_max + 1)
                 if self.adaptive and self.record.acceptance(mode) is None:
                     # the prior: no deeper than its nodes, and a level tries what its nodes allow
-                    k, s = max(((j, expected_speedup(self._tree_prior(mode, cfg, nodes / j), j, c, v.__getitem__))
-                                for j in range(1, min(k_max, nodes) + 1)), key=lambda o: o[1])
-                    options.append((mode, k, s))
+                    chain = self._chain_acceptance(mode, cfg)
+                    options.append(max(((mode, j, expected_speedup(self._tree_prior(chain, nodes / j), j, c, v.__getitem__))
+                                        for j in range(1, min(k_max, nodes) + 1)), key=lambda o: o[2]))
                     continue
             if self.adaptive:
                 k, s = best_k(a, c, v, k_max)
@@ -358,17 +361,20 @@ class SpeculationPolicy:
         cfg = cfg or self.config()
         a = self.record.acceptance(mode)
         if a is None:
-            a = self._tree_prior(mode, cfg) if mode in self.tree_modes else cfg.prior_acceptance
+            a = self._tree_prior(self._chain_acceptance(mode, cfg)) if mode in self.tree_modes else cfg.prior_acceptance
         return a
 
-    def _tree_prior(self, mode: str, cfg: PolicyConfig, per_level: float | None = None) -> float:
-        """A tree mode's per-level acceptance before any of its rounds: its chain drafter's,
-        as if each level had ``width / 2`` independent tries (its candidates are the drafter's
-        top ``width``, and the first matters most), or ``per_level`` nodes a level if fewer:
-        ``1 - (1 - a_chain)^tries``. Its own rounds replace it at once; without it, ``auto``
-        would price a tree at a chain's acceptance and never try one."""
+    def _chain_acceptance(self, mode: str, cfg: PolicyConfig) -> float:
+        """The acceptance of tree ``mode``'s chain drafter: measured, else the prior."""
         chain = self.record.acceptance(self.tree_modes[mode])
-        chain = cfg.prior_acceptance if chain is None else chain
+        return cfg.prior_acceptance if chain is None else chain
+
+    def _tree_prior(self, chain: float, per_level: float | None = None) -> float:
+        """A tree mode's per-level acceptance before any of its rounds: its chain drafter's
+        (``chain``), as if each level had ``width / 2`` independent tries (its candidates are
+        the drafter's top ``width``, and the first matters most), or ``per_level`` nodes a level
+        if fewer: ``1 - (1 - a_chain)^tries``. Its own rounds replace it at once; without it,
+        ``auto`` would price a tree at a chain's acceptance and never try one."""
         tries = self.tree_width / 2 if per_level is None else min(self.tree_width / 2, per_level)
         return 1.0 - (1.0 - chain) ** max(1.0, tries)
 

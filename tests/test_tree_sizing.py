@@ -4,6 +4,7 @@ of every drafter that a new request starts from, and heads that run in the targe
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
@@ -170,6 +171,21 @@ def test_before_its_rounds_a_priced_tree_is_expected_to_keep_the_nodes_below_the
     assert policy(config=lambda: PolicyConfig(tree_nodes=3)).tree_size("draft_tree") == 3
     assert policy(k_request=3, adaptive=False).tree_size("draft_tree") == 16  # unpriced: it fills the budget
     assert policy(config=lambda: PolicyConfig(tree_nodes=16, confidence_stop=False)).tree_size("draft_tree") == 16
+
+
+def test_the_prior_tree_size_is_the_last_node_count_a_one_token_pass_prices():
+    """``tree_size`` finds it by bisection (v never falls as n grows); a scan of every n agrees."""
+    rng = random.Random(0)
+    for _ in range(300):
+        costs, step = StepCosts(), rng.uniform(0.005, 0.05)
+        knee, slope = rng.randint(1, 20), rng.choice([0.0, rng.uniform(1e-5, 0.01)])
+        for tokens in sorted(rng.sample(range(1, 24), rng.randint(3, 8))):
+            costs.observe_verify(tokens, step + slope * max(0, tokens - knee) * rng.uniform(0.9, 1.1))
+        budget = rng.randint(1, 16)
+        policy = SpeculationPolicy(modes=["draft_tree"], costs=costs, tree_modes={"draft_tree": "draft"},
+                                   config=lambda: PolicyConfig(tree_nodes=budget))
+        scan = max((n for n in range(1, budget + 1) if costs.v(n) <= costs.v(1) * (1 + 1e-3)), default=1)
+        assert policy.tree_size("draft_tree") == scan
 
 
 def test_an_adaptive_request_prices_its_tree_nodes_from_the_units_costs():
