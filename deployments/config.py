@@ -140,6 +140,11 @@ class UnitArgs(_Strict):
         True, description="Share the KV blocks of a prompt prefix an earlier request filled (a system "
         "prompt is prefilled once, not per request); cached blocks are evicted least recently used first."
     )
+    warm_up: bool = Field(
+        True, description="Before it takes requests, run a short request through plain decoding and every "
+        "drafter, so the first requests do not pay for building the models' kernels and the unit's cost "
+        "model starts from warm passes (a few seconds on the demo pair on 2 CPU cores)."
+    )
     worker_timeout_s: float = Field(
         120.0, gt=0, description="actors: longest the target worker may take over one step before the step fails."
     )

@@ -116,6 +116,8 @@ class SpecRouter:
         self.model_name = self.args.models.name
         self.engine, self.actors = build_engine(self.args)
         self.engine.max_token_bytes  # computed now (a vocabulary pass), not on the first request
+        if self.args.warm_up:
+            log.info("warm-up: %.1f s", self.engine.warm_up())
         self.metrics = UnitMetrics(self.model_name)
         self.engine.loop.on_replay = self._replayed
         self.totals = UnitTotals()  # what the unit produced: its autoscaling capacity

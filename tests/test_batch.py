@@ -353,6 +353,31 @@ def test_the_first_pass_of_each_shape_is_not_a_cost_sample(llama_pair, monkeypat
     assert draft == [("draft", 1)] * (sum(1 for r in first.rounds if r.mode == "draft") - 1)
     engine.loop.close()
 
+def test_a_warm_up_times_every_drafter_warm_and_leaves_no_acceptance_nor_replay(llama_pair):
+    """``Engine.warm_up`` runs plain decoding and every drafter once (k = 1 and the default k):
+    their shapes are built, so a request after it is timed from its first pass; the unit keeps
+    the costs, forgets the acceptance, and replays none of it, even with every request replayed."""
+    engine = Engine.load(ModelConfig(target=str(llama_pair["target"]), draft=str(llama_pair["draft"]), dtype="float32"),
+                         SpeculationConfig(num_speculative_tokens=3), kv_cache_tokens=4096, max_num_seqs=4)
+    engine.policy_config = engine.policy_config.model_copy(update={"replay_fraction": 1.0})
+    ids = engine.encode(prompt=PROMPTS[0])
+    before = engine.generate(ids, max_tokens=10, mode="off").token_ids
+    assert engine.warm_up() > 0
+    loop = engine.loop
+    assert loop.record.trials == {} and not loop._replays and not loop._scores
+    assert {("draft", 1), ("verify", 1, 1), ("verify", 1, 2), ("verify", 1, 4)} <= loop._shapes
+    assert {mode for mode, *_ in loop._shapes} >= set(engine.drafters)  # every drafter's step ran
+    assert loop.costs.step_s is not None and "draft" in loop.costs._draft
+    verify, warm = [], set(loop._shapes)
+    loop.costs.observe_verify = lambda tokens, s: verify.append(tokens)
+    out = engine.generate(ids, max_tokens=10, mode="draft", k=3)
+    assert out.token_ids == before
+    widths = [r.drafted + 1 for r in out.rounds[1:]]
+    assert widths[0] == 4 and verify[0] == 4  # its first chain's pass is a sample: the warm-up built it
+    assert verify == [w for i, w in enumerate(widths) if ("verify", 1, w) in warm or w in widths[:i]]
+    loop.close()
+
+
 def test_the_guard_learns_a_bucket_by_alternating_its_arms():
     """A bucket it knows nothing of: its observed steps alternate, so it knows both arms after
     ``2 * min_samples`` steps and has run the losing one (here speculation) in ``min_samples``

@@ -757,6 +757,13 @@ class StepLoop:
             if rows and steps and seconds > 0 and self._warm((mode, rows)):
                 self.costs.observe_draft(mode, rows, seconds / steps)
 
+    def forget_acceptance(self) -> None:
+        """Start the unit's drafter record afresh (``Engine.warm_up``: its rounds' acceptance
+        on its one prompt is nobody's traffic); the costs and the shapes timed stay."""
+        with self._record_lock:
+            self.record = DrafterRecord()
+        self.timings.clear()
+
     def _warm(self, shape: tuple) -> bool:
         """Whether a pass of ``shape`` ran before (and remember that one has now)."""
         if shape in self._shapes:
@@ -826,7 +833,7 @@ class StepLoop:
 
     def _check_quality(self, live: _Live) -> None:
         """A finished request: replay it (some greedy ones that speculated), or judge a replay."""
-        cfg = self.policy_config()
+        cfg = live.req.flags or self.policy_config()  # the flags it was admitted under, where it has its own
         if live.expected is None:
             speculated = any(r.drafted for r in live.rounds)
             if speculated and cfg.replay_fraction > 0 and self.quality.wants(cfg.replay_fraction):
