@@ -100,6 +100,7 @@ class Bench:
                              draft_dtype=opts.draft_dtype, **local)
         self.numerics = models.numerics  # the target's, in the loop (its step is timed in them)
         self.engine = Engine.load(models)
+        self.engine.warm_up()  # as a served unit does: no configuration pays for building the kernels
         self.engine.eos_token_ids = frozenset()  # every run makes exactly max_tokens tokens
         self.tokenizer = self.engine.tokenizer
         self.target_model = self.engine.target_model

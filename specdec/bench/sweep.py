@@ -339,6 +339,7 @@ def run(args, progress: Progress = QUIET) -> dict:
         with progress.phase(f"{where}: load", 1) as phase:
             phase.now(models["target"])
             engine = Engine.load(ModelConfig(**models, numerics=numeric), max_num_seqs=max(levels))
+            engine.warm_up()  # as a served unit does before its first request
             phase.advance()
         send = lambda m: in_process_sender(engine, m, args.max_tokens, chat)  # noqa: E731
         sections[where] = _section(progress, where, send, modes, levels, args.requests, prompts,
