@@ -375,6 +375,9 @@ def test_a_warm_up_times_every_drafter_warm_and_leaves_no_acceptance_nor_replay(
     widths = [r.drafted + 1 for r in out.rounds[1:]]
     assert widths[0] == 4 and verify[0] == 4  # its first chain's pass is a sample: the warm-up built it
     assert verify == [w for i, w in enumerate(widths) if ("verify", 1, w) in warm or w in widths[:i]]
+    loop.max_length, shapes = 8, set(loop._shapes)  # a context too short for its request: no warm-up, no error
+    engine.warm_up()
+    assert loop._shapes == shapes
     loop.close()
 
 

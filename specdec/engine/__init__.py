@@ -265,7 +265,11 @@ class Engine:
         k = self.speculation.num_speculative_tokens
         for mode in ["off", *self.drafters]:
             for depth in [None] if mode == "off" else sorted({1, k}):
-                req = self.request(ids, max_tokens=max_tokens, mode=mode, k=depth, ignore_eos=True)
+                try:
+                    req = self.request(ids, max_tokens=max_tokens, mode=mode, k=depth, ignore_eos=True)
+                except ValueError as e:  # a context or a cache too small for it: the unit starts cold
+                    log.warning("warm-up skipped: %s", e)
+                    return time.perf_counter() - start
                 for _ in self.loop.submit(dataclasses.replace(req, flags=flags)):
                     pass
         self.loop.forget_acceptance()
