@@ -274,13 +274,17 @@ def test_engine_auto_and_kill_switch(engines):
         engine.policy_config = PolicyConfig()
 
 
-def test_engine_auto_learns_prompt_lookup_from_rounds_that_did_not_run_it(engines):
+def test_engine_auto_learns_prompt_lookup_from_rounds_that_did_not_run_it(engines, monkeypatch):
     """The unit's record says prompt lookup never pays (as after requests that did not repeat
     themselves); an auto request whose text repeats finds out from its plain and draft rounds
     (each is scored against what lookup would have proposed) and drafts with lookup, with the
     same tokens as plain decoding; the unit's record learns it too."""
     engine = engines["bad"]  # the model draft is useless: its rounds go plain
     assert "ngram" in engine.drafters
+    # Whether the scores make lookup pay is priced on the unit's costs: timings of the tiny pair
+    # on a shared CI machine are noise (CI once saw it resume on a probe instead). Pin them.
+    monkeypatch.setattr(engine.costs, "c", lambda mode: 0.05)
+    monkeypatch.setattr(engine.costs, "v", lambda k: 1 + 0.02 * k)
     ids = engine.encode(prompt="The robot finds the old house. The robot finds the old house. The robot finds")
     plain = engine.generate(ids, max_tokens=60, mode="off")
     saved = engine.loop.record
