@@ -94,7 +94,7 @@ def build_engine(args: UnitArgs) -> tuple[Engine, dict]:
     engine = Engine.from_parts(
         tokenizer, RemoteTarget(target_actor, info["max_length"], args.worker_timeout_s), draft,
         models, eos_token_ids=info["eos_token_ids"], capacity_tokens=info["capacity_tokens"],
-        max_length=info["max_length"], speculation=spec, **sizes,
+        max_length=info["max_length"], speculation=spec, prefix_grid=info["prefix_grid"], **sizes,
     )
     return engine, actors
 

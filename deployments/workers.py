@@ -82,7 +82,7 @@ class TargetWorker:
 
     def info(self) -> dict:
         return {"max_length": self.target.max_length, "eos_token_ids": self._eos,
-                "capacity_tokens": self.target.runner.capacity}
+                "capacity_tokens": self.target.runner.capacity, "prefix_grid": self.target.runner.prefix_grid}
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()

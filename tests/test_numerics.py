@@ -109,11 +109,51 @@ def test_a_chain_across_key_slot_counts_gives_each_token_its_decode_logits(targe
         r.forward([BatchRow("s", ids[:59], 0, blocks)])
         return r
 
-    chain = runner().forward([BatchRow("s", ids, 11, blocks)])[0]  # after ids[59], ..., ids[69]
+    r = runner()
+    calls.clear()  # the prompt's own chains (``attention.prompt_chains``)
+    chain = r.forward([BatchRow("s", ids, 11, blocks)])[0]  # after ids[59], ..., ids[69]
     assert sorted(set(calls)) == [5, 6] and len(calls) == 2 * target.config.num_hidden_layers
     r = runner()
     for i in range(59, 70):
         assert torch.equal(r.forward([BatchRow("s", ids[: i + 1], 1, blocks)])[0][0], chain[i - 59]), i
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_chain_of_any_length_rounds_as_its_queries_alone(dtype):
+    """A ``_Chain`` call (a verify pass's queries, a prompt chunk's) gives each of its 2 to 70
+    queries over 64 to 1,280 keys bitwise the output of its own ``_Group`` entry, on both
+    threads: its query rows are padded to a multiple of an entry's (``group_query_rows``).
+    Negative control, where this CPU shows it: rows made only even, chains of 11 and 22 queries
+    (34 and 66 rows, a last SDPA block of 2) round otherwise (fp32 on a 2-core AMD EPYC with
+    AVX-512 BF16)."""
+    kv_heads, groups, dim = 3, 3, 64
+    rows = attention.group_query_rows(kv_heads, groups, dim, dtype, "cpu")
+
+    def differing(sizes, multiple) -> list[int]:
+        gen, bad = torch.Generator().manual_seed(6), []
+        for length in (64, 704, 1280):
+            for b in sizes:
+                counts = torch.arange(length - min(b, 63), length - min(b, 63) + b).clamp(max=length)
+                q = torch.randn(kv_heads, b, groups, dim, generator=gen).to(dtype)
+                k, v = (torch.randn(1, kv_heads, length, dim, generator=gen).to(dtype) for _ in range(2))
+                seen = torch.arange(length)[None] < counts[:, None]  # [b, L]
+                mask = attention._pad_rows(seen.repeat_interleave(groups, dim=0), multiple)[None, None]
+                one = attention._chain_call(q, k, v, mask, 0.125).unflatten(1, (b, groups)).transpose(0, 1)
+                alone = attention._entries(q.transpose(0, 1), k.expand(b, -1, -1, -1), v.expand(b, -1, -1, -1),
+                                           seen[:, None, None], 0.125, rows)
+                if not torch.equal(one, alone):
+                    bad.append(b)
+        return bad
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # the suite runs on one (``conftest.py``); a server on every core
+    try:
+        assert differing([*range(2, 24), 43, 64, 70], rows) == []
+        control = differing([11, 22], 2) if rows > 2 else []
+    finally:
+        torch.set_num_threads(before)
+    if not control:
+        pytest.skip("chains of 2-row remainders round alike on this CPU: no negative control here")
 
 
 def test_negative_control_the_fast_numerics_are_not_invariant(target):
@@ -297,28 +337,39 @@ def test_a_grouped_query_rounds_alike_on_either_thread(dtype):
         pytest.skip("odd query rows round alike on every thread of this CPU: no negative control here")
 
 
-def _prompt_logits_fed_again(model) -> tuple[torch.Tensor, torch.Tensor]:
+def _prompt_logits_fed_again(model) -> tuple[torch.Tensor, torch.Tensor, int]:
     """A 45-token prompt's logits fed whole, and fed again as a new sequence on the same blocks
-    (the pool says its first two blocks hold that prefix, as after an identical earlier request)."""
+    (the pool says its first two blocks hold that prefix, as after an identical earlier request),
+    and how many tokens the second forward fed."""
     gen = torch.Generator().manual_seed(3)
     prompt = torch.randint(1, model.config.vocab_size, (45,), generator=gen).tolist()
     r = BatchRunner(model, capacity_tokens=4 * CAP, invariant=True)
     first = r.forward([BatchRow("a", prompt, 1, run_of(1, CAP))])[0][0]
     r.release("a")
-    return first, r.forward([BatchRow("b", prompt, 1, run_of(1, CAP))])[0][0]
+    again = r.forward([BatchRow("b", prompt, 1, run_of(1, CAP))])[0][0]
+    return first, again, r.last_fed
 
 
 def test_a_prompt_fed_again_on_blocks_it_filled_gives_the_same_logits(target, monkeypatch):
-    """A runner trusts the blocks its pool says hold a prompt's prefix only in multiples of
-    ``INVARIANT_CHUNK``, where a prefill chunk would start: the rest is fed as the first request's
-    prefill fed it, and the logits are bitwise the same. Negative control, where this model's
-    kernels round so: trusting every full block (32 of the 45 tokens) gives other logits."""
-    from specdec.batch import numerics
+    """Where a chunk's queries attend as chains (``attention.prompt_chains``: each as a decode
+    step's query would), a runner trusts every full block its pool says holds the prompt's
+    prefix (32 of the 45 tokens), feeds the other 13, and the logits are bitwise those of the
+    whole prefill. Where they attend in one causal call, it trusts only multiples of
+    ``INVARIANT_CHUNK`` (here none, so all 45 are fed again), and the logits are the same too.
+    Negative control, where this model's kernels round so: causal calls, and trusting every
+    full block, give other logits."""
+    from specdec.batch import numerics, runner
 
-    first, again = _prompt_logits_fed_again(target)
+    first, again, fed = _prompt_logits_fed_again(target)
     assert torch.equal(first, again)
+    chains = attention.prompt_chains(3, 3, 64, target.dtype, "cpu")
+    assert fed == (13 if chains else 45)
+    monkeypatch.setattr(runner, "prompt_chains", lambda *shape: False)
+    first, again, fed = _prompt_logits_fed_again(target)
+    assert torch.equal(first, again) and fed == 45
     monkeypatch.setattr(numerics, "INVARIANT_CHUNK", 16)
-    first, again = _prompt_logits_fed_again(target)
+    first, again, fed = _prompt_logits_fed_again(target)
+    assert fed == 13
     if target.dtype == torch.bfloat16:
         if torch.equal(first, again) and not native_bf16():
             pytest.skip("this CPU emulates bf16, and its kernels round both prefills alike: no negative control here")

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from specdec.batch.blocks import BLOCK, BlockPool, prefix_hashes, run_of
+from specdec.batch import attention
 from specdec.batch.runner import BatchRow, BatchRunner
 from specdec.bench.tiny import synthetic_corpus
 from specdec.config import ModelConfig
@@ -281,16 +282,22 @@ def _chunked(runner, key, ids, table, start, chunk=128):
     return out[0]
 
 
-@pytest.mark.parametrize("hit, same", [(256, True), (192, False)])
-def test_invariant_numerics_a_hit_on_the_chunk_grid_is_bitwise_a_fresh_prefill(hit, same):
+@pytest.mark.parametrize("hit, chains, same", [(256, False, True), (192, False, False), (192, True, True),
+                                               (208, True, True)])
+def test_invariant_numerics_a_hit_on_the_chunk_grid_is_bitwise_a_fresh_prefill(hit, chains, same, monkeypatch):
     """bf16, batch-invariant numerics, prompts in chunks of 128: a prompt whose first 256 tokens
-    come from another request's blocks gets, bit for bit, the logits of its own whole prefill;
-    a hit off the chunk grid (192: what follows is cut elsewhere) does not: the step loop
-    takes hits on the grid only (the negative control)."""
+    come from another request's blocks gets, bit for bit, the logits of its own whole prefill.
+    Where its chunks attend in causal calls, a hit off the chunk grid (192: what follows is cut
+    elsewhere) does not: the step loop then takes hits on the grid only (the negative control);
+    where they attend as chains (``attention.prompt_chains``), a hit at any block does."""
+    from specdec.batch import runner as runners
     from specdec.bench.overhead import build_model
 
     shape = dict(hidden_size=576, intermediate_size=64, num_hidden_layers=6, num_attention_heads=9,
                  num_key_value_heads=3, vocab_size=512, max_position_embeddings=1024)
+    if chains and not attention.prompt_chains(3, 3, 64, torch.bfloat16, "cpu"):
+        pytest.skip("this CPU's attention kernels round a long chain otherwise: prompts attend in causal calls")
+    monkeypatch.setattr(runners, "prompt_chains", lambda *shape: chains)
     model = build_model(shape)
     with torch.no_grad():  # weights of a trained model's scale: attention that is not uniform
         for p in model.parameters():
@@ -370,7 +377,8 @@ def test_invariant_numerics_a_preempted_request_resumes_bit_for_bit(llama_pair):
 
 def test_invariant_numerics_share_prompts_only_a_next_turn_is_bit_for_bit_a_fresh_prefill(llama_pair):
     """Batch-invariant numerics: a conversation's next turn (the first prompt, its answer, more)
-    takes from the prefix cache the first turn's prompt chunks, not the blocks its answer
+    takes from the prefix cache the first turn's prompt (its full blocks, or its whole chunks
+    where prompts prefill in causal calls), not the blocks its answer
     filled (decode steps computed those; the next turn's own prefill computes them as a
     chunk, which rounds otherwise): its log-probabilities equal, bitwise, those of a unit
     without a prefix cache."""
@@ -382,5 +390,37 @@ def test_invariant_numerics_share_prompts_only_a_next_turn_is_bit_for_bit_a_fres
     answer = _logprobs(engine, first, 140)[0]
     nxt = first + answer + engine.encode(prompt=PROMPTS[1])
     got = _logprobs(engine, nxt, 24)
-    assert got[2].rounds and engine.loop.usage()["prefix_hit_tokens"] == 128  # the first prompt's whole chunk
+    shared = len(first) // BLOCK * BLOCK if engine.loop.prefix_grid == 1 else 128  # (``BatchRunner.prefix_grid``)
+    assert got[2].rounds and engine.loop.usage()["prefix_hit_tokens"] == shared  # the first prompt's blocks
     assert got[:2] == _logprobs(fresh, nxt, 24)[:2]
+
+
+def test_invariant_numerics_a_short_prompt_asked_again_is_prefilled_once_bit_for_bit():
+    """Batch-invariant numerics where a prompt chunk's queries attend as a decode step's do
+    (``BatchRunner.prefix_grid`` 1; the demo target's attention shape): a prompt shorter than a
+    chunk, asked again, takes every full block from the prefix cache (a whole chunk is the
+    least a causal prefill could share), and its log-probabilities equal, bitwise, those of
+    its first prefill in a fresh unit."""
+    from specdec.bench.overhead import build_model, engine_for
+    from specdec.bench.tiny import build_tokenizer, synthetic_corpus
+
+    if not attention.prompt_chains(3, 3, 64, torch.float32, "cpu"):
+        pytest.skip("this CPU's attention kernels round a long chain otherwise: prompts share whole chunks only")
+    tok = build_tokenizer(synthetic_corpus(500))
+    model = build_model(dict(hidden_size=576, intermediate_size=64, num_hidden_layers=2, num_attention_heads=9,
+                             num_key_value_heads=3, vocab_size=len(tok), max_position_embeddings=1024))
+    with torch.no_grad():  # weights of a trained model's scale: attention that is not uniform
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(8.0)
+
+    def unit():
+        return engine_for(model, tok, max_num_seqs=4, kv_cache_tokens=2048, numerics="batch_invariant")
+
+    engine = unit()
+    assert engine.loop.prefix_grid == 1
+    ids = engine.encode(prompt=SYSTEM)[:90]
+    first = _logprobs(engine, ids, 12)
+    again = _logprobs(engine, ids, 12)
+    assert engine.loop.usage()["prefix_hit_tokens"] == 80  # 5 of its blocks; the rest is fed
+    assert again[:2] == first[:2] == _logprobs(unit(), ids, 12)[:2]

@@ -182,6 +182,39 @@ def _groups(queries: list[tuple[int, torch.Tensor]], device) -> list[_Group]:
     return out
 
 
+@dataclass(frozen=True)
+class _Groups:
+    """A step's ``_Group``s read from the layer in ONE gather each of keys, values and queries
+    (not one a group): each group's call then sees slices of them, the same values in the same
+    order, so it rounds as it would alone. On the demo target (bf16, 2-core AMD EPYC with
+    AVX-512 BF16), 8 decode rows of 21-256 keys fall in up to 4 groups a layer.
+
+    keys [sum B * L] / queries [sum B]: the groups' ``keys`` / ``queries`` back to back;
+    tokens [sum b]: their ``tokens``, the order of ``attend``'s output."""
+
+    groups: list[_Group]
+    keys: torch.Tensor
+    queries: torch.Tensor
+    tokens: torch.Tensor
+
+    @classmethod
+    def of(cls, groups: list[_Group]) -> "_Groups":
+        return cls(groups, torch.cat([g.keys for g in groups]), torch.cat([g.queries for g in groups]),
+                   torch.cat([g.tokens for g in groups]))
+
+    def attend(self, query, key, value, scaling) -> torch.Tensor:
+        """[H, sum b, D]: every group's real entries (``_group_attention`` on each)."""
+        keys, values = key.index_select(1, self.keys), value.index_select(1, self.keys)
+        queries = query[0].index_select(1, self.queries)
+        outs, at, first = [], 0, 0
+        for g in self.groups:
+            entries = g.queries.numel()
+            span = slice(at, at + entries * g.l)
+            outs.append(_group_call(g, queries[:, first: first + entries], keys[:, span], values[:, span], scaling))
+            at, first = span.stop, first + entries
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
 @dataclass
 class _Chain:
     """Queries of ONE row that each see a prefix of the row's keys (a decode row's pending token
@@ -209,16 +242,26 @@ class _Chain:
     def fallback(self) -> _Group:
         return _groups(self.queries, self.tokens.device)[0]
 
-    def mask(self, groups: int) -> torch.Tensor:
-        """[1, 1, rows, L] bool: query row (j, g) sees its query's prefix; ``rows`` is ``b * groups``
-        made even by repeating the last (odd counts can round apart, ``group_query_rows``)."""
-        if groups not in self._masks:
-            rows = torch.arange(self.l, device=self.counts.device)[None] < self.counts[:, None]  # [b, L]
-            rows = rows.repeat_interleave(groups, dim=0)
-            if rows.shape[0] % 2:
-                rows = torch.cat([rows, rows[-1:]])
-            self._masks[groups] = rows[None, None]
-        return self._masks[groups]
+    def mask(self, groups: int, rows: int) -> torch.Tensor:
+        """[1, 1, R, L] bool: query row (j, g) sees its query's prefix; ``R`` is ``b * groups``
+        made a multiple of ``rows`` (a ``_Group`` entry's, ``_pad_rows``) by repeating the last."""
+        if (groups, rows) not in self._masks:
+            seen = torch.arange(self.l, device=self.counts.device)[None] < self.counts[:, None]  # [b, L]
+            self._masks[groups, rows] = _pad_rows(seen.repeat_interleave(groups, dim=0), rows)[None, None]
+        return self._masks[groups, rows]
+
+
+def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    """``x`` with its last row repeated up to a multiple of ``multiple`` rows.
+
+    A chain call's query rows are padded to a multiple of a group entry's: CPU SDPA splits them
+    into blocks of 32 (64 from 192 rows), and a last block of fewer rows than an entry's rounds
+    otherwise (fp32 at the demo target's shape, 4-row entries, on a 2-core AMD EPYC with AVX-512
+    BF16: every chain of 34, 66, 130, 162 or 258 rows, i.e. 11 / 22 / 43 / 54 / 86 queries, gave
+    other bits with its rows only made even; bf16 at 2,048 keys too; as a multiple of 4, none
+    did, 2 to 130 queries over 64 to 2,048 keys)."""
+    short = -x.shape[0] % multiple
+    return torch.cat([x, x[-1:].expand(short, *x.shape[1:])]) if short else x
 
 
 CHAIN_MIN_QUERIES = 2  # fewer share nothing: the query joins a ``_Group``
@@ -260,9 +303,11 @@ class _Step:
     alone: list[int]  # the rows neither packed nor grouped
     chains: list[_Chain] = dataclasses.field(default_factory=list)  # ... but those that share a call
     pad: int = 0  # padding tokens after the rows: no queries of any row, outputs zeros
+    together: _Groups | None = None  # the groups' gathers, made once a step
 
 
-def bind(rows: list[RaggedRow], device: torch.device | str = "cpu", *, invariant: bool = False, pad: int = 0) -> None:
+def bind(rows: list[RaggedRow], device: torch.device | str = "cpu", *, invariant: bool = False, pad: int = 0,
+         chain_prompts: bool = False) -> None:
     """Bind a step's rows (their masks on the host) to this thread's next forward on ``device``;
     ``pad`` tokens after them (a step padded to a row count, ``specdec.batch.numerics``) belong
     to no row and attend to nothing: their outputs are zeros.
@@ -273,10 +318,13 @@ def bind(rows: list[RaggedRow], device: torch.device | str = "cpu", *, invariant
     other queries in it: the logits of a token then do not depend on how many tokens its row
     carries or on what else is in the step, and a step of many rows still makes few calls a
     layer. A longer row (a prompt chunk) attends in one causal call: it depends only on the
-    chunk, which the step loop cuts at fixed places in this mode.
+    chunk, which the step loop cuts at fixed places in this mode; with ``chain_prompts`` (where
+    ``chain_calls_agree``, ``prompt_chains``) its queries attend as ``_Chain``s too, so that
+    every token's keys and values are what a decode step computes for it, wherever its chunk
+    begins: a prefix any other sequence filled is then the same bits.
     """
     packed = None if invariant else pack(rows, device)
-    small = [i for i, r in enumerate(rows) if r.q <= PACK_MAX_QUERIES] if invariant else []
+    small = [i for i, r in enumerate(rows) if r.q <= PACK_MAX_QUERIES or chain_prompts] if invariant else []
     chains, queries = [], []
     for i in small:
         c, rest = _split_chains(rows[i], device)
@@ -286,7 +334,7 @@ def bind(rows: list[RaggedRow], device: torch.device | str = "cpu", *, invariant
     taken = set(packed.rows if packed is not None else ()) | set(small)
     alone = [i for i in range(len(rows)) if i not in taken]
     rows = [_on(r, device) if i not in taken else r for i, r in enumerate(rows)]
-    _BOUND.step = _Step(rows, packed, groups, alone, chains, pad)
+    _BOUND.step = _Step(rows, packed, groups, alone, chains, pad, _Groups.of(groups) if groups else None)
 
 
 def _on(r: RaggedRow, device) -> RaggedRow:
@@ -332,11 +380,18 @@ def _lone_query(q, k, v, scaling) -> torch.Tensor:
 
 def _group_attention(g: _Group, query, key, value, scaling) -> torch.Tensor:
     """[H, b, D]: each real entry's query over its own keys (``_Group``)."""
-    heads, kv_heads, dim = query.shape[1], key.shape[0], query.shape[3]
+    return _group_call(g, query[0].index_select(1, g.queries), key.index_select(1, g.keys),
+                       value.index_select(1, g.keys), scaling)
+
+
+def _group_call(g: _Group, q, k, v, scaling) -> torch.Tensor:
+    """[H, b, D]: ``_group_attention`` on its gathered queries [H, B, D] and keys / values
+    [Hkv, B * L, D]."""
+    heads, kv_heads, dim = q.shape[0], k.shape[0], q.shape[2]
     entries = g.queries.numel()
-    k = key.index_select(1, g.keys).unflatten(1, (entries, g.l)).transpose(0, 1)  # [B, Hkv, L, D]
-    v = value.index_select(1, g.keys).unflatten(1, (entries, g.l)).transpose(0, 1)
-    q = query[0].index_select(1, g.queries).transpose(0, 1).reshape(entries, kv_heads, heads // kv_heads, dim)
+    k = k.unflatten(1, (entries, g.l)).transpose(0, 1)  # [B, Hkv, L, D]
+    v = v.unflatten(1, (entries, g.l)).transpose(0, 1)
+    q = q.transpose(0, 1).reshape(entries, kv_heads, heads // kv_heads, dim)
     out = _entries(q, k, v, g.mask, scaling)  # [B, Hkv, G, D]
     return out.reshape(entries, heads, dim)[: g.tokens.numel()].transpose(0, 1)
 
@@ -351,7 +406,8 @@ def _chain_attention(c: _Chain, query, key, value, scaling) -> torch.Tensor:
     q = query[0].index_select(1, c.tokens).unflatten(0, (kv_heads, groups)).transpose(1, 2)  # [Hkv, b, G, D]
     k = key.index_select(1, c.keys)[None]  # [1, Hkv, L, D]
     v = value.index_select(1, c.keys)[None]
-    return _chain_call(q, k, v, c.mask(groups), scaling).unflatten(1, (b, groups)).transpose(1, 2).reshape(heads, b, dim)
+    rows = group_query_rows(kv_heads, groups, dim, query.dtype, str(query.device))
+    return _chain_call(q, k, v, c.mask(groups, rows), scaling).unflatten(1, (b, groups)).transpose(1, 2).reshape(heads, b, dim)
 
 
 def _chain_call(q, k, v, mask, scaling) -> torch.Tensor:
@@ -360,17 +416,38 @@ def _chain_call(q, k, v, mask, scaling) -> torch.Tensor:
     kv_heads, b, groups, dim = q.shape
     q = q.reshape(kv_heads, b * groups, dim)
     if mask.shape[2] > b * groups:
-        q = torch.cat([q, q[:, -1:]], dim=1)
+        q = torch.cat([q, q[:, -1:].expand(-1, mask.shape[2] - b * groups, -1)], dim=1)
     return F.scaled_dot_product_attention(q[None], k, v, attn_mask=mask, scale=scaling)[0, :, : b * groups]
 
 
 @functools.cache
 def chain_calls_agree(kv_heads: int, groups: int, dim: int, dtype: torch.dtype, device: str) -> bool:
     """Whether a ``_Chain`` call gives every query bitwise the output its own ``_Group`` entry
-    gives (with ``group_query_rows``), for chains of 2 to 17 queries over 37 to 700 keys, two
+    gives (with ``group_query_rows``), for chains of 2 to 22 queries over 37 to 700 keys, two
     random draws each. Measured once per shape: it is the kernel's. Seen on a 2-core AMD EPYC
     with AVX-512 BF16: agree in bf16 and fp32 wherever the chain's queries share a key-slot
     count (which ``_split_chains`` ensures), differ by an ulp where they do not."""
+    return _chains_agree(kv_heads, groups, dim, dtype, device, (37, 250, 700), (2, 3, 5, 11, 17, 22))
+
+
+@functools.cache
+def prompt_chains(kv_heads: int, groups: int, dim: int, dtype: torch.dtype, device: str) -> bool:
+    """Whether batch-invariant numerics can attend a prompt chunk's queries as ``_Chain``s
+    (``bind``'s ``chain_prompts``): where chains of up to 128 queries (a chunk's queries of one
+    key-slot count) round each query as its own ``_Group`` entry would, over 37 to 1,300 keys.
+    Then a token's keys and values do not depend on where its chunk began, and a prefix cache
+    may share any full block of a prompt, not only whole chunks
+    (``specdec.batch.numerics.INVARIANT_CHUNK``). Seen on a 2-core AMD EPYC with AVX-512 BF16
+    at the demo target's shape (3 key heads, 3 query heads each, 64 dims): so in bf16, not in
+    fp32 (where only the short chains of ``chain_calls_agree`` do)."""
+    return chain_calls_agree(kv_heads, groups, dim, dtype, device) and _chains_agree(
+        kv_heads, groups, dim, dtype, device, (37, 250, 700, 1100), (64, 160))
+
+
+def _chains_agree(kv_heads: int, groups: int, dim: int, dtype: torch.dtype, device: str,
+                  starts: tuple[int, ...], sizes: tuple[int, ...]) -> bool:
+    """``chain_calls_agree`` on chains of the queries of ``n0 .. n0 + size - 1`` keys (those of
+    one key-slot count) for each start ``n0`` and size."""
     rows = group_query_rows(kv_heads, groups, dim, dtype, device)
     if rows == 0:
         return False
@@ -379,8 +456,8 @@ def chain_calls_agree(kv_heads: int, groups: int, dim: int, dtype: torch.dtype, 
     def rand(*shape):
         return torch.randn(*shape, generator=gen).to(dtype=dtype, device=device)
 
-    for n0 in (37, 250, 700):
-        for size in (2, 3, 5, 17):
+    for n0 in starts:
+        for size in sizes:
             for _ in range(2):
                 length = key_slots(n0 + size - 1)
                 counts = [n for n in range(n0, n0 + size) if key_slots(n) == length]  # as _split_chains
@@ -389,9 +466,8 @@ def chain_calls_agree(kv_heads: int, groups: int, dim: int, dtype: torch.dtype, 
                     continue
                 q, k, v = rand(kv_heads, b, groups, dim), rand(1, kv_heads, length, dim), rand(1, kv_heads, length, dim)
                 c = torch.tensor(counts, device=device)
-                mask = (torch.arange(length, device=device)[None] < c[:, None]).repeat_interleave(groups, dim=0)
-                if mask.shape[0] % 2:
-                    mask = torch.cat([mask, mask[-1:]])
+                seen = (torch.arange(length, device=device)[None] < c[:, None]).repeat_interleave(groups, dim=0)
+                mask = _pad_rows(seen, rows)
                 one = _chain_call(q, k, v, mask[None, None], 1.0).unflatten(1, (b, groups)).transpose(0, 1)
                 entry_mask = (torch.arange(length, device=device)[None] < c[:, None])[:, None, None]
                 alone = _entries(q.transpose(0, 1), k.expand(b, -1, -1, -1), v.expand(b, -1, -1, -1), entry_mask, 1.0, rows)
@@ -492,8 +568,8 @@ def _step_attention(step: _Step, query, key, value, scaling) -> torch.Tensor:
     out = query.new_empty(query.shape[1], query.shape[2], query.shape[3])  # [H, T, D]
     if p is not None:
         out.index_copy_(1, p.tokens, _packed_attention(p, query, key, value, scaling))
-    for g in step.groups:
-        out.index_copy_(1, g.tokens, _group_attention(g, query, key, value, scaling))
+    if step.together is not None:
+        out.index_copy_(1, step.together.tokens, step.together.attend(query, key, value, scaling))
     for c in step.chains:
         out.index_copy_(1, c.tokens, _chain_attention(c, query, key, value, scaling))
     for i in step.alone:

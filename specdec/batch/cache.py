@@ -108,6 +108,7 @@ class FlatBatchCache(Cache):
         self._write: torch.Tensor | None = None
         self._placeholder_mask = torch.zeros(1, 1, 1, 1, dtype=dtype, device=device)
         self.invariant = False  # batch-invariant attention (``specdec.batch.attention.bind``)
+        self.chain_prompts = False  # ... its prompt chunks' queries too (``attention.prompt_chains``)
         self.holds: dict[int, bytes] = {}  # full block -> the prefix hash of what it holds
 
     @property
@@ -158,7 +159,7 @@ class FlatBatchCache(Cache):
         written = torch.cat(write)
         self.forget(written)
         self._write = written.to(dev)
-        attention.bind(ragged, dev, invariant=self.invariant, pad=pad)
+        attention.bind(ragged, dev, invariant=self.invariant, pad=pad, chain_prompts=self.chain_prompts)
         return torch.cat(q_pos)[None].to(dev), self._placeholder_mask
 
     def unbind(self) -> None:

@@ -19,7 +19,7 @@ import torch
 
 from specdec import trees
 from specdec.batch import numerics
-from specdec.batch.attention import use_ragged
+from specdec.batch.attention import prompt_chains, use_ragged
 from specdec.batch.blocks import BLOCK, blocks_for, prefix_hashes, slots
 from specdec.batch.cache import FlatBatchCache, RowPlan, kv_shape
 from specdec.batch.lean import LeanLlama
@@ -124,6 +124,10 @@ class BatchRunner:
             raise RuntimeError(f"a KV pool of {capacity} tokens does not fit on {self.device} next to the model; "
                                "free the device or configure a smaller kv_cache_tokens") from exc
         self.cache.invariant = invariant  # a token's logits do not depend on its row's length or the batch
+        if invariant:  # ... nor on where its prompt chunk began, where the kernels allow it
+            _, kv_heads, head_dim = kv_shape(cfg)
+            self.cache.chain_prompts = prompt_chains(kv_heads, cfg.num_attention_heads // kv_heads, head_dim,
+                                                     self.dtype, str(self.device))
         # invariant: the row counts whose products round as a large batch's (``specdec.batch.numerics``)
         self._agreeing = (numerics.agreeing_counts(numerics.product_shapes(model), self.dtype, str(self.device))
                           if invariant else ())
@@ -138,6 +142,14 @@ class BatchRunner:
         params = inspect.signature(model.forward).parameters
         # transformers 5.24 renamed past_key_values to cache; older models keep the old name.
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    @property
+    def prefix_grid(self) -> int:
+        """The blocks a shared prefix is a multiple of: one, unless batch-invariant numerics
+        prefill prompts in causal calls (``attention.prompt_chains`` false): then a token's keys
+        and values depend on where its chunk began, and only whole ``INVARIANT_CHUNK``s are
+        shared."""
+        return numerics.INVARIANT_CHUNK // BLOCK if self.cache.invariant and not self.cache.chain_prompts else 1
 
     @property
     def capacity(self) -> int:
@@ -282,7 +294,7 @@ class BatchRunner:
     def _shared(self, row: BatchRow) -> _Seq:
         """A sequence new to this runner: it holds the first full blocks of ``row`` that its pool
         says hold exactly that prefix (filled by another sequence with the same prompt); with
-        batch-invariant numerics, as many of them as make a multiple of ``INVARIANT_CHUNK``."""
+        batch-invariant numerics, as many of them as make a multiple of ``prefix_grid``."""
         seq = _Seq(row.blocks)
         holds = self.cache.holds
         if not holds or not row.blocks:
@@ -293,9 +305,8 @@ class BatchRunner:
             if holds.get(row.blocks[j]) != name:
                 break
             seq.named.append(name)
-        if self.cache.invariant:  # what it feeds then starts where a prefill chunk would
-            grid = numerics.INVARIANT_CHUNK // BLOCK
-            del seq.named[len(seq.named) // grid * grid:]
+        grid = self.prefix_grid  # what it feeds then starts where a prefill chunk would
+        del seq.named[len(seq.named) // grid * grid:]
         seq.ids = list(row.ids[: len(seq.named) * BLOCK])
         return seq
 

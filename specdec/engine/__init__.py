@@ -122,16 +122,20 @@ class Engine:
     @classmethod
     def from_parts(cls, tokenizer, target, draft, models: ModelConfig, *, eos_token_ids: frozenset[int],
                    capacity_tokens: int, max_length: int | None, speculation: SpeculationConfig,
-                   max_num_seqs: int = 16, step_tokens: int = 512, prefix_caching: bool = True) -> "Engine":
+                   max_num_seqs: int = 16, step_tokens: int = 512, prefix_caching: bool = True,
+                   prefix_grid: int | None = None) -> "Engine":
         """The one builder: a step loop over a target side and a draft side, local (a
         ``TargetStep``, a ``LocalDraft``) or worker actors behind the same two methods; the
-        drafters that run in the loop itself are built here."""
+        drafters that run in the loop itself are built here. ``prefix_grid``: the target's
+        ``BatchRunner.prefix_grid`` (read from a local one when not given)."""
+        if prefix_grid is None and hasattr(target, "runner"):
+            prefix_grid = target.runner.prefix_grid
         loop = StepLoop(target, draft, offered_modes(models), tokenizer=tokenizer, eos_token_ids=eos_token_ids,
                         capacity_tokens=capacity_tokens, max_num_seqs=max_num_seqs, step_tokens=step_tokens,
                         loop_drafters=build_drafters("loop", models, speculation, None, capacity_tokens),
                         default_k=speculation.num_speculative_tokens, max_length=max_length,
                         tree_width=speculation.tree_width, fixed_chunks=models.numerics == "batch_invariant",
-                        prefix_caching=prefix_caching)
+                        prefix_caching=prefix_caching, prefix_grid=prefix_grid)
         grammars.configure(tokenizer, sorted(eos_token_ids))  # structured output, validated here
         return cls(tokenizer, loop, speculation=speculation)
 

@@ -247,7 +247,7 @@ class StepLoop:
                  policy: Callable[[], PolicyConfig] = PolicyConfig,
                  loop_drafters: dict[str, BatchDrafter] | None = None,
                  default_k: int = 4, max_length: int | None = None, tree_width: int = 6,
-                 fixed_chunks: bool = False, prefix_caching: bool = True):
+                 fixed_chunks: bool = False, prefix_caching: bool = True, prefix_grid: int | None = None):
         self.target, self.draft, self.modes = target, draft, list(modes)
         self.loop_drafters = dict(loop_drafters or {})
         self.tokenizer, self.eos_token_ids = tokenizer, eos_token_ids
@@ -257,9 +257,11 @@ class StepLoop:
         self.max_length = max_length
         # Batch-invariant numerics: a prompt is prefilled in chunks of this many tokens at fixed
         # places (what its KV holds then depends on the prompt alone); one always fits a step.
-        # A prefix hit ends where a chunk does: what follows it is prefilled in the chunks a
-        # whole prefill cuts.
+        # A prefix hit ends where a chunk does (what follows it is prefilled in the chunks a
+        # whole prefill cuts), unless the target's prompt tokens attend as its decode tokens do
+        # (``prefix_grid``: the blocks a hit is a multiple of, ``BatchRunner.prefix_grid``).
         self.chunk = invariant_chunk(step_tokens - max_num_seqs) if fixed_chunks else None
+        self.prefix_grid = prefix_grid or (INVARIANT_CHUNK // BLOCK if fixed_chunks else 1)
         self.preempted = 0  # requests preempted (blocks ran out), since the start
         self.hit_tokens = 0  # prompt tokens admitted requests found in the prefix cache, since the start
         self.costs = StepCosts()
@@ -490,8 +492,7 @@ class StepLoop:
         ids = live.prefill
         # The last token is always fed (its logits are the first output), so it is never a hit.
         live.named = prefix_hashes(ids[: len(ids) - 1], start=live.named[: (len(ids) - 1) // BLOCK])
-        # Batch-invariant numerics: a hit ends where a chunk does.
-        hits = self.blocks.match(live.named, multiple=INVARIANT_CHUNK // BLOCK if self.chunk else 1)
+        hits = self.blocks.match(live.named, multiple=self.prefix_grid)
         if self._sharing_a_prefill(live, len(hits)):
             self.blocks.release(hits)
             return False
@@ -518,7 +519,7 @@ class StepLoop:
         chunks under batch-invariant numerics, so only a shared prefix of whole chunks counts."""
         if not self.blocks.caching:
             return False
-        multiple = self.chunk // BLOCK if self.chunk else 1
+        multiple = self.chunk // BLOCK if self.chunk and self.prefix_grid > 1 else 1
         for other in self._running:
             if other.decoding or other.expected is not None:
                 continue
