@@ -438,8 +438,9 @@ def prompt_chains(kv_heads: int, groups: int, dim: int, dtype: torch.dtype, devi
     Then a token's keys and values do not depend on where its chunk began, and a prefix cache
     may share any full block of a prompt, not only whole chunks
     (``specdec.batch.numerics.INVARIANT_CHUNK``). Seen on a 2-core AMD EPYC with AVX-512 BF16
-    at the demo target's shape (3 key heads, 3 query heads each, 64 dims): so in bf16, not in
-    fp32 (where only the short chains of ``chain_calls_agree`` do)."""
+    at the demo target's shape (3 key heads, 3 query heads each, 64 dims): so in bf16 and fp32
+    (once a chain's rows are padded as ``_pad_rows`` says); not at the tiny test pairs' shapes
+    (2-row entries), where even short chains do not (``chain_calls_agree``)."""
     return chain_calls_agree(kv_heads, groups, dim, dtype, device) and _chains_agree(
         kv_heads, groups, dim, dtype, device, (37, 250, 700, 1100), (64, 160))
 
