@@ -354,9 +354,11 @@ def test_the_first_pass_of_each_shape_is_not_a_cost_sample(llama_pair, monkeypat
     engine.loop.close()
 
 def test_a_warm_up_times_every_drafter_warm_and_leaves_no_acceptance_nor_replay(llama_pair):
-    """``Engine.warm_up`` runs plain decoding and every drafter once (k = 1 and the default k):
-    their shapes are built, so a request after it is timed from its first pass; the unit keeps
-    the costs, forgets the acceptance, and replays none of it, even with every request replayed."""
+    """``Engine.warm_up`` runs plain decoding and every drafter once (k = 1 and the default k),
+    then a batch of plain rows and one of draft rows (``max_num_seqs`` of them here): their
+    shapes are built, so a request after it is timed from its first pass, and the verify line
+    has a point at a batch's tokens; the unit keeps the costs, forgets the acceptance, and
+    replays none of it, even with every request replayed."""
     engine = Engine.load(ModelConfig(target=str(llama_pair["target"]), draft=str(llama_pair["draft"]), dtype="float32"),
                          SpeculationConfig(num_speculative_tokens=3), kv_cache_tokens=4096, max_num_seqs=4)
     engine.policy_config = engine.policy_config.model_copy(update={"replay_fraction": 1.0})
@@ -368,6 +370,8 @@ def test_a_warm_up_times_every_drafter_warm_and_leaves_no_acceptance_nor_replay(
     assert {("draft", 1), ("verify", 1, 1), ("verify", 1, 2), ("verify", 1, 4)} <= loop._shapes
     assert {mode for mode, *_ in loop._shapes} >= set(engine.drafters)  # every drafter's step ran
     assert loop.costs.step_s is not None and "draft" in loop.costs._draft
+    assert {("verify", 4, 4), ("verify", 4, 16), ("draft", 4)} <= loop._shapes  # the batches: 4 rows, 3 drafts each
+    assert 16 in loop.costs._verify.means  # timed past the shape's first pass
     verify, warm = [], set(loop._shapes)
     loop.costs.observe_verify = lambda tokens, s: verify.append(tokens)
     out = engine.generate(ids, max_tokens=10, mode="draft", k=3)

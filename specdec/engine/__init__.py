@@ -81,6 +81,7 @@ class PromptTooLong(ValueError):
 
 
 WARM_UP_TEXT = "Warm-up 0 1 2 3 4 5 6 7 8 9"  # ``Engine.warm_up``'s prompt: a text no request is expected to share
+WARM_UP_ROWS = 8  # ``Engine.warm_up``'s batch (at most ``max_num_seqs``)
 
 
 class Engine:
@@ -267,14 +268,25 @@ class Engine:
         ids = self.encode(prompt=WARM_UP_TEXT)
         flags = self.policy_config.model_copy(update={"kill_switch": False, "replay_fraction": 0.0})
         k = self.speculation.num_speculative_tokens
-        for mode in ["off", *self.drafters]:
-            for depth in [None] if mode == "off" else sorted({1, k}):
-                try:
-                    req = self.request(ids, max_tokens=max_tokens, mode=mode, k=depth, ignore_eos=True)
-                except ValueError as e:  # a context or a cache too small for it: the unit starts cold
-                    log.warning("warm-up skipped: %s", e)
-                    return time.perf_counter() - start
-                for _ in self.loop.submit(dataclasses.replace(req, flags=flags)):
+        # Alone, then a batch: plain rows, and rows of k drafts (a drafting model's: it always
+        # drafts), so that the unit's verify line has points at a batch's tokens, not only at a
+        # lone request's (extrapolated from those, 8 rows of 4 drafts looked cheap, and the
+        # first requests under load speculated at a loss until their steps were timed).
+        model = next((m for m in ("eagle", "draft", "medusa", "early_exit") if m in self.drafters), None)
+        runs = [(mode, depth, 1) for mode in ["off", *self.drafters]
+                for depth in ([None] if mode == "off" else sorted({1, k}))]
+        rows = min(WARM_UP_ROWS, self.loop.max_num_seqs)
+        runs += [("off", None, rows)] + ([(model, k, rows)] if model is not None else [])
+        for mode, depth, count in runs:
+            try:
+                req = self.request(ids, max_tokens=max_tokens, mode=mode, k=depth, ignore_eos=True)
+                with self.loop.together():
+                    handles = [self.loop.submit(dataclasses.replace(req, flags=flags)) for _ in range(count)]
+            except ValueError as e:  # a context or a cache too small for it: the unit starts cold
+                log.warning("warm-up skipped: %s", e)
+                break
+            for handle in handles:
+                for _ in handle:
                     pass
         self.loop.forget_acceptance()
         return time.perf_counter() - start
