@@ -564,6 +564,7 @@ def test_quick_tiny_run_writes_every_field(tiny_home, capsys):
                                                             "eagle-adaptive"]  # no heads here
     assert report["models"]["drafters"] == ["draft", "draft_tree", "early_exit", "ngram"]
     assert report["models"]["dtype"] == report["models"]["dtype_used"] == "float32"
+    assert report["models"]["prefix_hit_tokens"] == 0  # every run prefilled its prompt, as transformers' do
     # v(k) at --ks and below, the policy's k_max (8) and transformers' lookup default (10).
     assert report["costs"]["c"] > 0 and set(report["costs"]["v"]) == {"0", "1", "2", "3", "4", "8", "10", "16"}
     # The step is timed in the numerics the loop runs the target in (the default's).

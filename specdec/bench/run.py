@@ -99,7 +99,9 @@ class Bench:
         models = ModelConfig(target=self.target_path, draft=self.draft_path, dtype=opts.dtype,
                              draft_dtype=opts.draft_dtype, **local)
         self.numerics = models.numerics  # the target's, in the loop (its step is timed in them)
-        self.engine = Engine.load(models)
+        # No prefix cache: every run prefills its prompt, as transformers' runs do (with one, each
+        # prompt's later configurations took its blocks from the first one's run).
+        self.engine = Engine.load(models, prefix_caching=False)
         self.engine.warm_up()  # as a served unit does: no configuration pays for building the kernels
         self.engine.eos_token_ids = frozenset()  # every run makes exactly max_tokens tokens
         self.tokenizer = self.engine.tokenizer
@@ -353,6 +355,7 @@ def _report(bench: Bench, opts: BenchOptions, started: float, prompts: list[Prom
         "models": {"target": bench.target_path, "draft": bench.draft_path, "dtype": opts.dtype,
                    "dtype_used": dtype_name(bench.engine.target_model),
                    "draft_dtype": opts.draft_dtype, "drafters": sorted(bench.engine.drafters),
+                   "prefix_hit_tokens": bench.engine.loop.usage()["prefix_hit_tokens"],  # 0: every run prefilled its prompt
                    "policy": policy.model_dump() if hasattr(policy, "model_dump") else None},
         "machine": {"cpus": os.cpu_count(), "torch_threads": compute.run(torch.get_num_threads),
                     "torch": torch.__version__, "transformers": _version("transformers"),
