@@ -395,12 +395,10 @@ def test_invariant_numerics_share_prompts_only_a_next_turn_is_bit_for_bit_a_fres
     assert got[:2] == _logprobs(fresh, nxt, 24)[:2]
 
 
-def test_invariant_numerics_a_short_prompt_asked_again_is_prefilled_once_bit_for_bit():
-    """Batch-invariant numerics where a prompt chunk's queries attend as a decode step's do
-    (``BatchRunner.prefix_grid`` 1; the demo target's attention shape): a prompt shorter than a
-    chunk, asked again, takes every full block from the prefix cache (a whole chunk is the
-    least a causal prefill could share), and its log-probabilities equal, bitwise, those of
-    its first prefill in a fresh unit."""
+def _demo_shaped_units():
+    """A unit (fp32, batch-invariant numerics, no draft model) over a 2-layer model with the
+    demo target's attention shape, where prompt chunks attend as chains on this CPU (skips
+    where they do not), and a maker of fresh units over the same model."""
     from specdec.bench.overhead import build_model, engine_for
     from specdec.bench.tiny import build_tokenizer, synthetic_corpus
 
@@ -419,8 +417,34 @@ def test_invariant_numerics_a_short_prompt_asked_again_is_prefilled_once_bit_for
 
     engine = unit()
     assert engine.loop.prefix_grid == 1
+    return engine, unit
+
+
+def test_invariant_numerics_a_short_prompt_asked_again_is_prefilled_once_bit_for_bit():
+    """Batch-invariant numerics where a prompt chunk's queries attend as a decode step's do
+    (``BatchRunner.prefix_grid`` 1; the demo target's attention shape): a prompt shorter than a
+    chunk, asked again, takes every full block from the prefix cache (a whole chunk is the
+    least a causal prefill could share), and its log-probabilities equal, bitwise, those of
+    its first prefill in a fresh unit."""
+    engine, unit = _demo_shaped_units()
     ids = engine.encode(prompt=SYSTEM)[:90]
     first = _logprobs(engine, ids, 12)
     again = _logprobs(engine, ids, 12)
     assert engine.loop.usage()["prefix_hit_tokens"] == 80  # 5 of its blocks; the rest is fed
     assert again[:2] == first[:2] == _logprobs(unit(), ids, 12)[:2]
+
+
+def test_invariant_numerics_with_prompt_chains_a_next_turn_takes_the_answer_blocks_too_bit_for_bit():
+    """Where a prompt chunk's queries attend as a decode step's do (``prefix_grid`` 1), the
+    keys and values decode steps wrote are what a prefill would write: a conversation's next
+    turn (the first prompt, its answer, more) takes from the prefix cache the answer's full
+    blocks as well as the prompt's, and its log-probabilities equal, bitwise, those of a fresh
+    unit that prefills it all."""
+    engine, unit = _demo_shaped_units()
+    first = engine.encode(prompt=SYSTEM)[:40]
+    answer = _logprobs(engine, first, 60)[0]
+    nxt = first + answer + engine.encode(prompt=PROMPTS[1])
+    before = engine.loop.usage()["prefix_hit_tokens"]
+    got = _logprobs(engine, nxt, 12)
+    assert engine.loop.usage()["prefix_hit_tokens"] - before == (len(first) + len(answer)) // BLOCK * BLOCK
+    assert got[:2] == _logprobs(unit(), nxt, 12)[:2]

@@ -58,9 +58,10 @@ class BatchRow:
     num_logits: int = 1
     blocks: tuple[int, ...] = ()
     parents: tuple[int, ...] | None = None
-    # Batch-invariant numerics: how many leading ids other sequences may take from its blocks
-    # (its prompt: computed as any prefill of them is; what it generated was computed by decode
-    # steps, which round otherwise than a prompt chunk over the same tokens). None: all.
+    # Batch-invariant numerics with prompts in causal calls (``prefix_grid`` > 1): how many
+    # leading ids other sequences may take from its blocks (its prompt: computed as any prefill
+    # of them is; what it generated was computed by decode steps, which round otherwise than a
+    # prompt chunk over the same tokens). None: all.
     shared_upto: int | None = None
 
     @property
@@ -376,7 +377,7 @@ class BatchRunner:
         for i, seq, plan in planned:
             row = rows[i]
             seq.ids = list(row.ids[: row.tree_at])
-            self._name_blocks(seq, row.shared_upto if self.cache.invariant else None)
+            self._name_blocks(seq, row.shared_upto if self.prefix_grid > 1 else None)
             if row.parents is not None:
                 seq.tree = _Tree(row.tree_at, list(row.ids[row.tree_at:]), tuple(row.parents))
             out[i] = logits[at: at + row.num_logits]

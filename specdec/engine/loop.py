@@ -564,8 +564,9 @@ class StepLoop:
 
     def _name_blocks(self, live: _Live, context: list[int]) -> None:
         """The target holds ``context``: its full blocks may be shared from now on (under
-        batch-invariant numerics, those of its prompt only: ``BatchRow.shared_upto``)."""
-        upto = min(len(context), len(live.req.prompt_ids)) if self.chunk else len(context)
+        batch-invariant numerics with prompts in causal calls, ``prefix_grid`` > 1, those of
+        its prompt only: ``BatchRow.shared_upto``)."""
+        upto = min(len(context), len(live.req.prompt_ids)) if self.prefix_grid > 1 else len(context)
         full = min(upto // BLOCK, len(live.blocks))
         if full <= live.registered:
             return
