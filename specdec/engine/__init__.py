@@ -255,7 +255,8 @@ class Engine:
 
     def warm_up(self, max_tokens: int = 12) -> float:
         """Run a short request through plain decoding and every drafter (at k = 1 and the
-        default k; trees at their budget), then forget what its rounds taught the unit about
+        default k; trees at their budget), then a batch of them plainly and one drafting k each
+        (``WARM_UP_ROWS``), then forget what its rounds taught the unit about
         acceptance; returns the seconds it took. A fresh process builds a pass shape's kernels
         the first time it meets it: on the demo target (bf16, 2-core AMD EPYC with AVX-512 BF16)
         2-4 tokens took 44-51 ms the first time against 28-31 ms after, so the first requests
@@ -269,9 +270,9 @@ class Engine:
         flags = self.policy_config.model_copy(update={"kill_switch": False, "replay_fraction": 0.0})
         k = self.speculation.num_speculative_tokens
         # Alone, then a batch: plain rows, and rows of k drafts (a drafting model's: it always
-        # drafts), so that the unit's verify line has points at a batch's tokens, not only at a
-        # lone request's (extrapolated from those, 8 rows of 4 drafts looked cheap, and the
-        # first requests under load speculated at a loss until their steps were timed).
+        # drafts), so that the batch's shapes are built and the unit's verify line has timed
+        # points at a batch's tokens, not only a lone request's extrapolated (on the demo target,
+        # 8 rows of 5 tokens: 68.8 ms timed, 85.4 ms on the line through a lone request's points).
         model = next((m for m in ("eagle", "draft", "medusa", "early_exit") if m in self.drafters), None)
         runs = [(mode, depth, 1) for mode in ["off", *self.drafters]
                 for depth in ([None] if mode == "off" else sorted({1, k}))]
