@@ -142,7 +142,8 @@ class UnitArgs(_Strict):
     )
     warm_up: bool = Field(
         True, description="Before it takes requests, run a short request through plain decoding and every "
-        "drafter, so the first requests do not pay for building the models' kernels and the unit's cost "
+        "drafter (then a batch of 8 plainly and one drafting), so the first requests do not pay for building "
+        "the models' kernels and the unit's cost "
         "model starts from warm passes (a few seconds on the demo pair on 2 CPU cores)."
     )
     worker_timeout_s: float = Field(
