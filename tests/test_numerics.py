@@ -91,7 +91,7 @@ def test_a_tokens_logits_are_the_same_in_any_row_and_batch(target):
 
 @pytest.mark.parametrize("one_call", [True, False], ids=["one-call", "fallback"])
 def test_a_chain_across_key_slot_counts_gives_each_token_its_decode_logits(target, monkeypatch, one_call):
-    """A verify pass of 11 queries whose key counts (60 to 70) straddle a key-slot count (64):
+    """A verify pass of 11 queries whose key counts straddle a key-slot count (128: 124 to 134):
     its queries attend in one call per slot count (``attention._Chain``, where
     ``chain_calls_agree`` says it rounds as a lone query; else, and here when told it does not,
     as a group), and every one of its logits equals, bit for bit, the same token's logits from a
@@ -101,21 +101,24 @@ def test_a_chain_across_key_slot_counts_gives_each_token_its_decode_logits(targe
     calls = []
     real = attention._chain_attention
     monkeypatch.setattr(attention, "_chain_attention", lambda c, *a: calls.append(c.tokens.numel()) or real(c, *a))
-    ids = torch.randint(1, target.config.vocab_size, (70,), generator=torch.Generator().manual_seed(1)).tolist()
-    blocks = run_of(1, CAP)
+    edge = attention.key_slots(1)  # the first key-slot count: 124 to 128 keys below it, 129 to 134 above
+    assert attention.key_slots(edge + 1) > edge
+    ids = torch.randint(1, target.config.vocab_size, (edge + 6,), generator=torch.Generator().manual_seed(1)).tolist()
+    start = edge - 5  # the pass feeds ids[start:], each query seeing the keys up to it
+    blocks = run_of(1, 2 * CAP)
 
     def runner():
-        r = BatchRunner(target, capacity_tokens=2 * CAP, invariant=True)
-        r.forward([BatchRow("s", ids[:59], 0, blocks)])
+        r = BatchRunner(target, capacity_tokens=4 * CAP, invariant=True)
+        r.forward([BatchRow("s", ids[:start], 0, blocks)])
         return r
 
     r = runner()
     calls.clear()  # the prompt's own chains (``attention.prompt_chains``)
-    chain = r.forward([BatchRow("s", ids, 11, blocks)])[0]  # after ids[59], ..., ids[69]
+    chain = r.forward([BatchRow("s", ids, 11, blocks)])[0]  # after ids[start], ..., ids[-1]
     assert sorted(set(calls)) == [5, 6] and len(calls) == 2 * target.config.num_hidden_layers
     r = runner()
-    for i in range(59, 70):
-        assert torch.equal(r.forward([BatchRow("s", ids[: i + 1], 1, blocks)])[0][0], chain[i - 59]), i
+    for i in range(start, len(ids)):
+        assert torch.equal(r.forward([BatchRow("s", ids[: i + 1], 1, blocks)])[0][0], chain[i - start]), i
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
