@@ -212,13 +212,13 @@ class _Groups:
 
     def attend(self, query, key, value, scaling) -> torch.Tensor:
         """[H, sum b, D]: every group's real entries (``_group_attention`` on each)."""
-        keys, values = key.index_select(1, self.keys), value.index_select(1, self.keys)
+        keys, values = key.index_select(0, self.keys), value.index_select(0, self.keys)
         queries = query[0].index_select(1, self.queries)
         outs, at, first = [], 0, 0
         for g in self.groups:
             entries = g.queries.numel()
             span = slice(at, at + entries * g.l)
-            outs.append(_group_call(g, queries[:, first: first + entries], keys[:, span], values[:, span], scaling))
+            outs.append(_group_call(g, queries[:, first: first + entries], keys[span], values[span], scaling))
             at, first = span.stop, first + entries
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
@@ -362,10 +362,10 @@ def bound() -> bool:
 
 def _packed_attention(p: Packed, query, key, value, scaling) -> torch.Tensor:
     """[H, t, D]: the packed rows' outputs, token by token (``Packed.tokens``' order)."""
-    heads, kv_heads, dim = query.shape[1], key.shape[0], query.shape[3]
+    heads, kv_heads, dim = query.shape[1], key.shape[1], query.shape[3]
     groups, b = heads // kv_heads, len(p.rows)
-    k = key.index_select(1, p.keys).unflatten(1, (b, p.l)).transpose(0, 1)  # [B, Hkv, L, D]
-    v = value.index_select(1, p.keys).unflatten(1, (b, p.l)).transpose(0, 1)
+    k = key.index_select(0, p.keys).unflatten(0, (b, p.l)).transpose(1, 2)  # [B, Hkv, L, D]
+    v = value.index_select(0, p.keys).unflatten(0, (b, p.l)).transpose(1, 2)
     q = query[0].index_select(1, p.queries).unflatten(1, (b, p.q)).transpose(0, 1)  # [B, H, Q, D]
     if p.q == 1 and groups > 1:  # fold the heads that share a key head into its query rows
         out = F.scaled_dot_product_attention(q.reshape(b, kv_heads, groups, dim), k, v, attn_mask=p.mask,
@@ -388,17 +388,17 @@ def _lone_query(q, k, v, scaling) -> torch.Tensor:
 
 def _group_attention(g: _Group, query, key, value, scaling) -> torch.Tensor:
     """[H, b, D]: each real entry's query over its own keys (``_Group``)."""
-    return _group_call(g, query[0].index_select(1, g.queries), key.index_select(1, g.keys),
-                       value.index_select(1, g.keys), scaling)
+    return _group_call(g, query[0].index_select(1, g.queries), key.index_select(0, g.keys),
+                       value.index_select(0, g.keys), scaling)
 
 
 def _group_call(g: _Group, q, k, v, scaling) -> torch.Tensor:
     """[H, b, D]: ``_group_attention`` on its gathered queries [H, B, D] and keys / values
-    [Hkv, B * L, D]."""
-    heads, kv_heads, dim = q.shape[0], k.shape[0], q.shape[2]
+    [B * L, Hkv, D]."""
+    heads, kv_heads, dim = q.shape[0], k.shape[1], q.shape[2]
     entries = g.queries.numel()
-    k = k.unflatten(1, (entries, g.l)).transpose(0, 1)  # [B, Hkv, L, D]
-    v = v.unflatten(1, (entries, g.l)).transpose(0, 1)
+    k = k.unflatten(0, (entries, g.l)).transpose(1, 2)  # [B, Hkv, L, D], a view
+    v = v.unflatten(0, (entries, g.l)).transpose(1, 2)
     q = q.transpose(0, 1).reshape(entries, kv_heads, heads // kv_heads, dim)
     out = _entries(q, k, v, g.mask, scaling)  # [B, Hkv, G, D]
     return out.reshape(entries, heads, dim)[: g.tokens.numel()].transpose(0, 1)
@@ -406,14 +406,14 @@ def _group_call(g: _Group, q, k, v, scaling) -> torch.Tensor:
 
 def _chain_attention(c: _Chain, query, key, value, scaling) -> torch.Tensor:
     """[H, b, D]: a ``_Chain``'s queries, in one call where it rounds as their ``_Group`` would."""
-    heads, kv_heads, dim = query.shape[1], key.shape[0], query.shape[3]
+    heads, kv_heads, dim = query.shape[1], key.shape[1], query.shape[3]
     groups = heads // kv_heads
     if not chain_calls_agree(kv_heads, groups, dim, query.dtype, str(query.device)):
         return _group_attention(c.fallback, query, key, value, scaling)
     b = c.tokens.numel()
     q = query[0].index_select(1, c.tokens).unflatten(0, (kv_heads, groups)).transpose(1, 2)  # [Hkv, b, G, D]
-    k = key.index_select(1, c.keys)[None]  # [1, Hkv, L, D]
-    v = value.index_select(1, c.keys)[None]
+    k = key.index_select(0, c.keys).transpose(0, 1)[None]  # [1, Hkv, L, D], a view
+    v = value.index_select(0, c.keys).transpose(0, 1)[None]
     rows = group_query_rows(kv_heads, groups, dim, query.dtype, str(query.device))
     return _chain_call(q, k, v, c.mask(groups, rows), scaling).unflatten(1, (b, groups)).transpose(1, 2).reshape(heads, b, dim)
 
@@ -473,7 +473,8 @@ def _chains_agree(kv_heads: int, groups: int, dim: int, dtype: torch.dtype, devi
                 b = len(counts)
                 if b < CHAIN_MIN_QUERIES:
                     continue
-                q, k, v = rand(kv_heads, b, groups, dim), rand(1, kv_heads, length, dim), rand(1, kv_heads, length, dim)
+                q = rand(kv_heads, b, groups, dim)
+                k, v = (rand(length, kv_heads, dim).transpose(0, 1)[None] for _ in range(2))  # as a chain's gather
                 c = torch.tensor(counts, device=device)
                 seen = (torch.arange(length, device=device)[None] < c[:, None]).repeat_interleave(groups, dim=0)
                 mask = _pad_rows(seen, rows)
@@ -517,21 +518,21 @@ def group_query_rows(kv_heads: int, groups: int, dim: int, dtype: torch.dtype, d
 
     def output(rows, q0, k0, v0, entries, at, length):
         """The probed entry's output at position ``at`` among random others, laid out as a
-        group's gather is (a transposed view of [Hkv, B * L, D])."""
-        n = k0.shape[1]
+        group's gather is (a view of [B * L, Hkv, D])."""
+        n = k0.shape[0]
         q = rand(entries, kv_heads, groups, dim)
         q[at] = q0
-        k, v = rand(kv_heads, entries, length, dim), rand(kv_heads, entries, length, dim)
-        k[:, at, :n], v[:, at, :n] = k0, v0
+        k, v = rand(entries, length, kv_heads, dim), rand(entries, length, kv_heads, dim)
+        k[at, :n], v[at, :n] = k0, v0
         mask = torch.zeros(entries, 1, 1, length, dtype=torch.bool, device=device)
         for b in range(entries):
             mask[b, 0, 0, : n if b == at else 1 + (17 * b) % length] = True
-        return _entries(q, k.transpose(0, 1), v.transpose(0, 1), mask, 1.0, rows)[at]
+        return _entries(q, k.transpose(1, 2), v.transpose(1, 2), mask, 1.0, rows)[at]
 
-    cases = [(rand(kv_heads, groups, dim), rand(kv_heads, n, dim), rand(kv_heads, n, dim)) for n in (37, 300, 700)]
+    cases = [(rand(kv_heads, groups, dim), rand(n, kv_heads, dim), rand(n, kv_heads, dim)) for n in (37, 300, 700)]
     for rows in range(groups + groups % 2, 17, 2):
         def agrees(q0, k0, v0):
-            length = key_slots(k0.shape[1])
+            length = key_slots(k0.shape[0])
             ref = output(rows, q0, k0, v0, 2, 0, length)
             return all(torch.equal(output(rows, q0, k0, v0, entries, at, length), ref)
                        for entries in (2, 5, 9) for at in range(entries))
@@ -544,17 +545,22 @@ def group_query_rows(kv_heads: int, groups: int, dim: int, dtype: torch.dtype, d
 def _row_attention(r: RaggedRow, query, key, value, scaling) -> torch.Tensor:
     """[1, H, q, D]: one row's queries over its own keys (a view when they are one slice)."""
     q = query[:, :, r.t0: r.t0 + r.q]
-    k = key[:, r.keys].unsqueeze(0)  # [1, Hkv, n, D]
-    v = value[:, r.keys].unsqueeze(0)
+    k = _rows_of(key, r.keys).transpose(0, 1).unsqueeze(0)  # [1, Hkv, n, D]
+    v = _rows_of(value, r.keys).transpose(0, 1).unsqueeze(0)
     if r.q == 1 and r.mask is None:
         return _lone_query(q, k, v, scaling)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=r.mask, scale=scaling,
-                                          enable_gqa=query.shape[1] > key.shape[0])
+                                          enable_gqa=query.shape[1] > key.shape[1])
+
+
+def _rows_of(pool: torch.Tensor, keys: slice | torch.Tensor) -> torch.Tensor:
+    """[n, Hkv, D]: a layer's pool rows (a view of a slice, a gather of an index)."""
+    return pool[keys] if isinstance(keys, slice) else pool.index_select(0, keys)
 
 
 def ragged_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
-    """query [1, H, T, D]; key / value: the layer's whole pool [Hkv, capacity + 1, D] while a
-    step is bound. Returns [1, T, H, D] as transformers' attention functions do."""
+    """query [1, H, T, D]; key / value: the layer's whole pool [capacity + 1, Hkv, D] while a
+    step is bound (``specdec.batch.cache``). Returns [1, T, H, D] as transformers' attention functions do."""
     step = getattr(_BOUND, "step", None)
     if step is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
