@@ -59,8 +59,27 @@ class RaggedRow:
 PACK_MAX_QUERIES = 32  # a row feeding more tokens than this (a prompt chunk) attends alone
 
 
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask (True: attend) as the additive one SDPA makes of it on every call: 0 and -inf
+    in the query's dtype, the same bits out (bf16 and fp32, groups and chains, on a 2-core AMD
+    EPYC with AVX-512 BF16). A step makes it once a mask (``_Masked``), not once a call a layer:
+    there, on the demo target's shape in bf16, a step's group attention over 30 layers took 10.5
+    ms against 11.1 with bool masks at 8 decode rows of 60-250 keys, 19.5 against 20.3 at 16."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+class _Masked:
+    """A call's bool ``mask``, and its additive form by dtype (``_additive``), made on first use."""
+
+    def additive(self, dtype: torch.dtype) -> torch.Tensor:
+        made = self._additive.get(dtype)
+        if made is None:
+            made = self._additive[dtype] = _additive(self.mask, dtype)
+        return made
+
+
 @dataclass(frozen=True)
-class Packed:
+class Packed(_Masked):
     """The rows of a step that attend in ONE call per layer: ``B`` rows padded to ``Q`` query
     slots and ``L`` key slots each. Built once per step, read by every layer.
 
@@ -79,6 +98,7 @@ class Packed:
     tokens: torch.Tensor
     slots: torch.Tensor
     everything: bool  # the packed rows are the whole step, in order
+    _additive: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
 
 def pack(rows: list[RaggedRow], device: torch.device | str) -> Packed | None:
@@ -138,7 +158,7 @@ def key_slots(n: int) -> int:
 
 
 @dataclass(frozen=True)
-class _Group:
+class _Group(_Masked):
     """Queries that each attend alone to their own keys, in ONE call per layer (batch-invariant
     numerics): ``B`` entries of one query (its heads folded onto its key heads) over ``L`` key
     slots, a mask marking the query's keys, ``L = key_slots(n)`` for every entry's ``n`` keys.
@@ -159,6 +179,7 @@ class _Group:
     keys: torch.Tensor
     mask: torch.Tensor
     l: int  # noqa: E741
+    _additive: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
 
 def _query_keys(r: RaggedRow) -> list[tuple[int, torch.Tensor]]:
@@ -250,13 +271,15 @@ class _Chain:
     def fallback(self) -> _Group:
         return _groups(self.queries, self.tokens.device)[0]
 
-    def mask(self, groups: int, rows: int) -> torch.Tensor:
-        """[1, 1, R, L] bool: query row (j, g) sees its query's prefix; ``R`` is ``b * groups``
-        made a multiple of ``rows`` (a ``_Group`` entry's, ``_pad_rows``) by repeating the last."""
-        if (groups, rows) not in self._masks:
+    def mask(self, groups: int, rows: int, dtype: torch.dtype) -> torch.Tensor:
+        """[1, 1, R, L], additive in ``dtype`` (``_additive``): query row (j, g) sees its query's
+        prefix; ``R`` is ``b * groups`` made a multiple of ``rows`` (a ``_Group`` entry's,
+        ``_pad_rows``) by repeating the last."""
+        if (groups, rows, dtype) not in self._masks:
             seen = torch.arange(self.l, device=self.counts.device)[None] < self.counts[:, None]  # [b, L]
-            self._masks[groups, rows] = _pad_rows(seen.repeat_interleave(groups, dim=0), rows)[None, None]
-        return self._masks[groups, rows]
+            self._masks[groups, rows, dtype] = _additive(
+                _pad_rows(seen.repeat_interleave(groups, dim=0), rows)[None, None], dtype)
+        return self._masks[groups, rows, dtype]
 
 
 def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -367,11 +390,12 @@ def _packed_attention(p: Packed, query, key, value, scaling) -> torch.Tensor:
     k = key.index_select(0, p.keys).unflatten(0, (b, p.l)).transpose(1, 2)  # [B, Hkv, L, D]
     v = value.index_select(0, p.keys).unflatten(0, (b, p.l)).transpose(1, 2)
     q = query[0].index_select(1, p.queries).unflatten(1, (b, p.q)).transpose(0, 1)  # [B, H, Q, D]
+    mask = p.additive(q.dtype)
     if p.q == 1 and groups > 1:  # fold the heads that share a key head into its query rows
-        out = F.scaled_dot_product_attention(q.reshape(b, kv_heads, groups, dim), k, v, attn_mask=p.mask,
+        out = F.scaled_dot_product_attention(q.reshape(b, kv_heads, groups, dim), k, v, attn_mask=mask,
                                              scale=scaling).reshape(b, heads, 1, dim)
     else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask, scale=scaling, enable_gqa=groups > 1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=groups > 1)
     return out.transpose(0, 1).reshape(heads, b * p.q, dim).index_select(1, p.slots)
 
 
@@ -400,7 +424,7 @@ def _group_call(g: _Group, q, k, v, scaling) -> torch.Tensor:
     k = k.unflatten(0, (entries, g.l)).transpose(1, 2)  # [B, Hkv, L, D], a view
     v = v.unflatten(0, (entries, g.l)).transpose(1, 2)
     q = q.transpose(0, 1).reshape(entries, kv_heads, heads // kv_heads, dim)
-    out = _entries(q, k, v, g.mask, scaling)  # [B, Hkv, G, D]
+    out = _entries(q, k, v, g.additive(q.dtype), scaling)  # [B, Hkv, G, D]
     return out.reshape(entries, heads, dim)[: g.tokens.numel()].transpose(0, 1)
 
 
@@ -415,7 +439,8 @@ def _chain_attention(c: _Chain, query, key, value, scaling) -> torch.Tensor:
     k = key.index_select(0, c.keys).transpose(0, 1)[None]  # [1, Hkv, L, D], a view
     v = value.index_select(0, c.keys).transpose(0, 1)[None]
     rows = group_query_rows(kv_heads, groups, dim, query.dtype, str(query.device))
-    return _chain_call(q, k, v, c.mask(groups, rows), scaling).unflatten(1, (b, groups)).transpose(1, 2).reshape(heads, b, dim)
+    out = _chain_call(q, k, v, c.mask(groups, rows, query.dtype), scaling)  # [Hkv, b * G, D]
+    return out.unflatten(1, (b, groups)).transpose(1, 2).reshape(heads, b, dim)
 
 
 def _chain_call(q, k, v, mask, scaling) -> torch.Tensor:
@@ -477,9 +502,9 @@ def _chains_agree(kv_heads: int, groups: int, dim: int, dtype: torch.dtype, devi
                 k, v = (rand(length, kv_heads, dim).transpose(0, 1)[None] for _ in range(2))  # as a chain's gather
                 c = torch.tensor(counts, device=device)
                 seen = (torch.arange(length, device=device)[None] < c[:, None]).repeat_interleave(groups, dim=0)
-                mask = _pad_rows(seen, rows)
-                one = _chain_call(q, k, v, mask[None, None], 1.0).unflatten(1, (b, groups)).transpose(0, 1)
-                entry_mask = (torch.arange(length, device=device)[None] < c[:, None])[:, None, None]
+                mask = _additive(_pad_rows(seen, rows)[None, None], dtype)
+                one = _chain_call(q, k, v, mask, 1.0).unflatten(1, (b, groups)).transpose(0, 1)
+                entry_mask = _additive((torch.arange(length, device=device)[None] < c[:, None])[:, None, None], dtype)
                 alone = _entries(q.transpose(0, 1), k.expand(b, -1, -1, -1), v.expand(b, -1, -1, -1), entry_mask, 1.0, rows)
                 if not torch.equal(one, alone):
                     return False
@@ -527,7 +552,7 @@ def group_query_rows(kv_heads: int, groups: int, dim: int, dtype: torch.dtype, d
         mask = torch.zeros(entries, 1, 1, length, dtype=torch.bool, device=device)
         for b in range(entries):
             mask[b, 0, 0, : n if b == at else 1 + (17 * b) % length] = True
-        return _entries(q, k.transpose(1, 2), v.transpose(1, 2), mask, 1.0, rows)[at]
+        return _entries(q, k.transpose(1, 2), v.transpose(1, 2), _additive(mask, dtype), 1.0, rows)[at]
 
     cases = [(rand(kv_heads, groups, dim), rand(n, kv_heads, dim), rand(n, kv_heads, dim)) for n in (37, 300, 700)]
     for rows in range(groups + groups % 2, 17, 2):
