@@ -147,8 +147,9 @@ def key_slots(n: int) -> int:
     its keys: on the demo target (bf16, a 2-core AMD EPYC with AVX-512 BF16) an SDPA call of 2
     entries over 256 to 448 slots took 106-119 us, and 8 decode rows of 60-250 keys fell in up
     to 4 groups on a grid of 64. On a grid of 128, a runner's decode step took 0.90-0.95 of the
-    time on a grid of 64 at 4, 8 and 16 rows of 40-300 keys (medians of 6 alternations); whole
-    chat requests at 1 to 16 streams changed by less than this machine's noise (+-7% a turn).
+    time on a grid of 64 at 4, 8 and 16 rows of 40-300 keys (medians of 6 alternations). Whole
+    chat requests, in process at 1 to 16 streams, showed no change that machine's turn-to-turn
+    noise (10-25%) let paired turns resolve.
 
     >>> [key_slots(n) for n in (1, 128, 129, 300, 513, 1000, 1100, 2100, 5000)]
     [128, 128, 256, 384, 640, 1024, 1152, 2304, 5120]
