@@ -77,8 +77,8 @@ def pools(runner):
 
 
 def changed_rows(a, b):
-    """Per layer, the pool rows where two [rows, heads, dim] pools differ."""
-    return [set(torch.nonzero((x != y).any(-1).any(-1)).flatten().tolist()) for x, y in zip(a, b)]
+    """Per layer, the pool rows where two [heads, rows, dim] pools differ."""
+    return [set(torch.nonzero((x != y).any(-1).any(0)).flatten().tolist()) for x, y in zip(a, b)]
 
 
 def state(model):
@@ -161,7 +161,7 @@ def test_reused_cache_gives_the_same_logits_as_a_separate_one(pair):
                 assert shared.cached_ids(key) == separate.cached_ids(key) == ids[:-1]
                 held = slots(run_of(1 + blocks_for(CAP) * slot[key], CAP), 0, len(ids) - 1)
                 for a, b in zip(shared.cache.keys + shared.cache.values, separate.cache.keys + separate.cache.values):
-                    assert torch.equal(a[held], b[held])
+                    assert torch.equal(a[:, held], b[:, held])
                 table = run_of(1 + blocks_for(CAP) * slot[key], CAP)
                 drafted_at |= set(slots(table, len(ids) - 1, len(ids) - 1 + len(proposal)).tolist())  # context[-1] and all drafts but the last
             # drafting wrote layers 0..L-1 only, and only at positions the verify pass feeds

@@ -51,7 +51,7 @@ def test_prefill_speculate_reject_continue_matches_plain(model):
     one(fresh, "f", cont, slot=2)
     a, b = slots(run_of(1, CAP), 0, len(cont)), slots(run_of(1 + 2 * blocks_for(CAP), CAP), 0, len(cont))
     for la, lb in zip(runner.cache.keys + runner.cache.values, fresh.cache.keys + fresh.cache.values):
-        assert torch.allclose(la[a], lb[b], atol=1e-5)
+        assert torch.allclose(la[:, a], lb[:, b], atol=1e-5)
 
 
 def test_reconcile_keeps_common_prefix_and_recomputes_divergence(model):

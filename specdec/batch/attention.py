@@ -59,27 +59,8 @@ class RaggedRow:
 PACK_MAX_QUERIES = 32  # a row feeding more tokens than this (a prompt chunk) attends alone
 
 
-def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A bool mask (True: attend) as the additive one SDPA makes of it on every call: 0 and -inf
-    in the query's dtype, the same bits out (bf16 and fp32, groups and chains, on a 2-core AMD
-    EPYC with AVX-512 BF16). A step makes it once a mask (``_Masked``), not once a call a layer:
-    there, on the demo target's shape in bf16, a step's group attention over 30 layers took 10.5
-    ms against 11.1 with bool masks at 8 decode rows of 60-250 keys, 19.5 against 20.3 at 16."""
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-
-
-class _Masked:
-    """A call's bool ``mask``, and its additive form by dtype (``_additive``), made on first use."""
-
-    def additive(self, dtype: torch.dtype) -> torch.Tensor:
-        made = self._additive.get(dtype)
-        if made is None:
-            made = self._additive[dtype] = _additive(self.mask, dtype)
-        return made
-
-
 @dataclass(frozen=True)
-class Packed(_Masked):
+class Packed:
     """The rows of a step that attend in ONE call per layer: ``B`` rows padded to ``Q`` query
     slots and ``L`` key slots each. Built once per step, read by every layer.
 
@@ -98,7 +79,6 @@ class Packed(_Masked):
     tokens: torch.Tensor
     slots: torch.Tensor
     everything: bool  # the packed rows are the whole step, in order
-    _additive: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
 
 def pack(rows: list[RaggedRow], device: torch.device | str) -> Packed | None:
@@ -159,7 +139,7 @@ def key_slots(n: int) -> int:
 
 
 @dataclass(frozen=True)
-class _Group(_Masked):
+class _Group:
     """Queries that each attend alone to their own keys, in ONE call per layer (batch-invariant
     numerics): ``B`` entries of one query (its heads folded onto its key heads) over ``L`` key
     slots, a mask marking the query's keys, ``L = key_slots(n)`` for every entry's ``n`` keys.
@@ -180,7 +160,6 @@ class _Group(_Masked):
     keys: torch.Tensor
     mask: torch.Tensor
     l: int  # noqa: E741
-    _additive: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
 
 def _query_keys(r: RaggedRow) -> list[tuple[int, torch.Tensor]]:
@@ -234,13 +213,13 @@ class _Groups:
 
     def attend(self, query, key, value, scaling) -> torch.Tensor:
         """[H, sum b, D]: every group's real entries (``_group_attention`` on each)."""
-        keys, values = key.index_select(0, self.keys), value.index_select(0, self.keys)
+        keys, values = key.index_select(1, self.keys), value.index_select(1, self.keys)
         queries = query[0].index_select(1, self.queries)
         outs, at, first = [], 0, 0
         for g in self.groups:
             entries = g.queries.numel()
             span = slice(at, at + entries * g.l)
-            outs.append(_group_call(g, queries[:, first: first + entries], keys[span], values[span], scaling))
+            outs.append(_group_call(g, queries[:, first: first + entries], keys[:, span], values[:, span], scaling))
             at, first = span.stop, first + entries
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
@@ -272,15 +251,13 @@ class _Chain:
     def fallback(self) -> _Group:
         return _groups(self.queries, self.tokens.device)[0]
 
-    def mask(self, groups: int, rows: int, dtype: torch.dtype) -> torch.Tensor:
-        """[1, 1, R, L], additive in ``dtype`` (``_additive``): query row (j, g) sees its query's
-        prefix; ``R`` is ``b * groups`` made a multiple of ``rows`` (a ``_Group`` entry's,
-        ``_pad_rows``) by repeating the last."""
-        if (groups, rows, dtype) not in self._masks:
+    def mask(self, groups: int, rows: int) -> torch.Tensor:
+        """[1, 1, R, L] bool: query row (j, g) sees its query's prefix; ``R`` is ``b * groups``
+        made a multiple of ``rows`` (a ``_Group`` entry's, ``_pad_rows``) by repeating the last."""
+        if (groups, rows) not in self._masks:
             seen = torch.arange(self.l, device=self.counts.device)[None] < self.counts[:, None]  # [b, L]
-            self._masks[groups, rows, dtype] = _additive(
-                _pad_rows(seen.repeat_interleave(groups, dim=0), rows)[None, None], dtype)
-        return self._masks[groups, rows, dtype]
+            self._masks[groups, rows] = _pad_rows(seen.repeat_interleave(groups, dim=0), rows)[None, None]
+        return self._masks[groups, rows]
 
 
 def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -386,17 +363,16 @@ def bound() -> bool:
 
 def _packed_attention(p: Packed, query, key, value, scaling) -> torch.Tensor:
     """[H, t, D]: the packed rows' outputs, token by token (``Packed.tokens``' order)."""
-    heads, kv_heads, dim = query.shape[1], key.shape[1], query.shape[3]
+    heads, kv_heads, dim = query.shape[1], key.shape[0], query.shape[3]
     groups, b = heads // kv_heads, len(p.rows)
-    k = key.index_select(0, p.keys).unflatten(0, (b, p.l)).transpose(1, 2)  # [B, Hkv, L, D]
-    v = value.index_select(0, p.keys).unflatten(0, (b, p.l)).transpose(1, 2)
+    k = key.index_select(1, p.keys).unflatten(1, (b, p.l)).transpose(0, 1)  # [B, Hkv, L, D]
+    v = value.index_select(1, p.keys).unflatten(1, (b, p.l)).transpose(0, 1)
     q = query[0].index_select(1, p.queries).unflatten(1, (b, p.q)).transpose(0, 1)  # [B, H, Q, D]
-    mask = p.additive(q.dtype)
     if p.q == 1 and groups > 1:  # fold the heads that share a key head into its query rows
-        out = F.scaled_dot_product_attention(q.reshape(b, kv_heads, groups, dim), k, v, attn_mask=mask,
+        out = F.scaled_dot_product_attention(q.reshape(b, kv_heads, groups, dim), k, v, attn_mask=p.mask,
                                              scale=scaling).reshape(b, heads, 1, dim)
     else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=groups > 1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask, scale=scaling, enable_gqa=groups > 1)
     return out.transpose(0, 1).reshape(heads, b * p.q, dim).index_select(1, p.slots)
 
 
@@ -413,35 +389,34 @@ def _lone_query(q, k, v, scaling) -> torch.Tensor:
 
 def _group_attention(g: _Group, query, key, value, scaling) -> torch.Tensor:
     """[H, b, D]: each real entry's query over its own keys (``_Group``)."""
-    return _group_call(g, query[0].index_select(1, g.queries), key.index_select(0, g.keys),
-                       value.index_select(0, g.keys), scaling)
+    return _group_call(g, query[0].index_select(1, g.queries), key.index_select(1, g.keys),
+                       value.index_select(1, g.keys), scaling)
 
 
 def _group_call(g: _Group, q, k, v, scaling) -> torch.Tensor:
     """[H, b, D]: ``_group_attention`` on its gathered queries [H, B, D] and keys / values
-    [B * L, Hkv, D]."""
-    heads, kv_heads, dim = q.shape[0], k.shape[1], q.shape[2]
+    [Hkv, B * L, D]."""
+    heads, kv_heads, dim = q.shape[0], k.shape[0], q.shape[2]
     entries = g.queries.numel()
-    k = k.unflatten(0, (entries, g.l)).transpose(1, 2)  # [B, Hkv, L, D], a view
-    v = v.unflatten(0, (entries, g.l)).transpose(1, 2)
+    k = k.unflatten(1, (entries, g.l)).transpose(0, 1)  # [B, Hkv, L, D]
+    v = v.unflatten(1, (entries, g.l)).transpose(0, 1)
     q = q.transpose(0, 1).reshape(entries, kv_heads, heads // kv_heads, dim)
-    out = _entries(q, k, v, g.additive(q.dtype), scaling)  # [B, Hkv, G, D]
+    out = _entries(q, k, v, g.mask, scaling)  # [B, Hkv, G, D]
     return out.reshape(entries, heads, dim)[: g.tokens.numel()].transpose(0, 1)
 
 
 def _chain_attention(c: _Chain, query, key, value, scaling) -> torch.Tensor:
     """[H, b, D]: a ``_Chain``'s queries, in one call where it rounds as their ``_Group`` would."""
-    heads, kv_heads, dim = query.shape[1], key.shape[1], query.shape[3]
+    heads, kv_heads, dim = query.shape[1], key.shape[0], query.shape[3]
     groups = heads // kv_heads
     if not chain_calls_agree(kv_heads, groups, dim, query.dtype, str(query.device)):
         return _group_attention(c.fallback, query, key, value, scaling)
     b = c.tokens.numel()
     q = query[0].index_select(1, c.tokens).unflatten(0, (kv_heads, groups)).transpose(1, 2)  # [Hkv, b, G, D]
-    k = key.index_select(0, c.keys).transpose(0, 1)[None]  # [1, Hkv, L, D], a view
-    v = value.index_select(0, c.keys).transpose(0, 1)[None]
+    k = key.index_select(1, c.keys)[None]  # [1, Hkv, L, D]
+    v = value.index_select(1, c.keys)[None]
     rows = group_query_rows(kv_heads, groups, dim, query.dtype, str(query.device))
-    out = _chain_call(q, k, v, c.mask(groups, rows, query.dtype), scaling)  # [Hkv, b * G, D]
-    return out.unflatten(1, (b, groups)).transpose(1, 2).reshape(heads, b, dim)
+    return _chain_call(q, k, v, c.mask(groups, rows), scaling).unflatten(1, (b, groups)).transpose(1, 2).reshape(heads, b, dim)
 
 
 def _chain_call(q, k, v, mask, scaling) -> torch.Tensor:
@@ -499,13 +474,12 @@ def _chains_agree(kv_heads: int, groups: int, dim: int, dtype: torch.dtype, devi
                 b = len(counts)
                 if b < CHAIN_MIN_QUERIES:
                     continue
-                q = rand(kv_heads, b, groups, dim)
-                k, v = (rand(length, kv_heads, dim).transpose(0, 1)[None] for _ in range(2))  # as a chain's gather
+                q, k, v = rand(kv_heads, b, groups, dim), rand(1, kv_heads, length, dim), rand(1, kv_heads, length, dim)
                 c = torch.tensor(counts, device=device)
                 seen = (torch.arange(length, device=device)[None] < c[:, None]).repeat_interleave(groups, dim=0)
-                mask = _additive(_pad_rows(seen, rows)[None, None], dtype)
-                one = _chain_call(q, k, v, mask, 1.0).unflatten(1, (b, groups)).transpose(0, 1)
-                entry_mask = _additive((torch.arange(length, device=device)[None] < c[:, None])[:, None, None], dtype)
+                mask = _pad_rows(seen, rows)
+                one = _chain_call(q, k, v, mask[None, None], 1.0).unflatten(1, (b, groups)).transpose(0, 1)
+                entry_mask = (torch.arange(length, device=device)[None] < c[:, None])[:, None, None]
                 alone = _entries(q.transpose(0, 1), k.expand(b, -1, -1, -1), v.expand(b, -1, -1, -1), entry_mask, 1.0, rows)
                 if not torch.equal(one, alone):
                     return False
@@ -544,21 +518,21 @@ def group_query_rows(kv_heads: int, groups: int, dim: int, dtype: torch.dtype, d
 
     def output(rows, q0, k0, v0, entries, at, length):
         """The probed entry's output at position ``at`` among random others, laid out as a
-        group's gather is (a view of [B * L, Hkv, D])."""
-        n = k0.shape[0]
+        group's gather is (a transposed view of [Hkv, B * L, D])."""
+        n = k0.shape[1]
         q = rand(entries, kv_heads, groups, dim)
         q[at] = q0
-        k, v = rand(entries, length, kv_heads, dim), rand(entries, length, kv_heads, dim)
-        k[at, :n], v[at, :n] = k0, v0
+        k, v = rand(kv_heads, entries, length, dim), rand(kv_heads, entries, length, dim)
+        k[:, at, :n], v[:, at, :n] = k0, v0
         mask = torch.zeros(entries, 1, 1, length, dtype=torch.bool, device=device)
         for b in range(entries):
             mask[b, 0, 0, : n if b == at else 1 + (17 * b) % length] = True
-        return _entries(q, k.transpose(1, 2), v.transpose(1, 2), _additive(mask, dtype), 1.0, rows)[at]
+        return _entries(q, k.transpose(0, 1), v.transpose(0, 1), mask, 1.0, rows)[at]
 
-    cases = [(rand(kv_heads, groups, dim), rand(n, kv_heads, dim), rand(n, kv_heads, dim)) for n in (37, 300, 700)]
+    cases = [(rand(kv_heads, groups, dim), rand(kv_heads, n, dim), rand(kv_heads, n, dim)) for n in (37, 300, 700)]
     for rows in range(groups + groups % 2, 17, 2):
         def agrees(q0, k0, v0):
-            length = key_slots(k0.shape[0])
+            length = key_slots(k0.shape[1])
             ref = output(rows, q0, k0, v0, 2, 0, length)
             return all(torch.equal(output(rows, q0, k0, v0, entries, at, length), ref)
                        for entries in (2, 5, 9) for at in range(entries))
@@ -571,22 +545,17 @@ def group_query_rows(kv_heads: int, groups: int, dim: int, dtype: torch.dtype, d
 def _row_attention(r: RaggedRow, query, key, value, scaling) -> torch.Tensor:
     """[1, H, q, D]: one row's queries over its own keys (a view when they are one slice)."""
     q = query[:, :, r.t0: r.t0 + r.q]
-    k = _rows_of(key, r.keys).transpose(0, 1).unsqueeze(0)  # [1, Hkv, n, D]
-    v = _rows_of(value, r.keys).transpose(0, 1).unsqueeze(0)
+    k = key[:, r.keys].unsqueeze(0)  # [1, Hkv, n, D]
+    v = value[:, r.keys].unsqueeze(0)
     if r.q == 1 and r.mask is None:
         return _lone_query(q, k, v, scaling)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=r.mask, scale=scaling,
-                                          enable_gqa=query.shape[1] > key.shape[1])
-
-
-def _rows_of(pool: torch.Tensor, keys: slice | torch.Tensor) -> torch.Tensor:
-    """[n, Hkv, D]: a layer's pool rows (a view of a slice, a gather of an index)."""
-    return pool[keys] if isinstance(keys, slice) else pool.index_select(0, keys)
+                                          enable_gqa=query.shape[1] > key.shape[0])
 
 
 def ragged_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
-    """query [1, H, T, D]; key / value: the layer's whole pool [capacity + 1, Hkv, D] while a
-    step is bound (``specdec.batch.cache``). Returns [1, T, H, D] as transformers' attention functions do."""
+    """query [1, H, T, D]; key / value: the layer's whole pool [Hkv, capacity + 1, D] while a
+    step is bound. Returns [1, T, H, D] as transformers' attention functions do."""
     step = getattr(_BOUND, "step", None)
     if step is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,

@@ -1,7 +1,7 @@
 """A KV cache shared by many sequences: one paged token pool per model, a flat ragged layout per step.
 
 Memory is a budget in blocks of ``BLOCK`` tokens. Each layer's keys and values live in one pool
-tensor ``[blocks * BLOCK, kv_heads, head_dim]``; block 0 is scratch (padding writes there). A
+tensor ``[kv_heads, blocks * BLOCK, head_dim]``; block 0 is scratch (padding writes there). A
 sequence holds a block table: position ``p`` lives at pool row ``table[p // BLOCK] * BLOCK +
 p % BLOCK``. Blocks are handed out as a sequence grows (``specdec.batch.blocks``) and a full
 block of a shared prompt prefix can sit in several tables at once; nothing here cares which.
@@ -99,15 +99,9 @@ class FlatBatchCache(Cache):
                  dtype: torch.dtype, device: torch.device | str):
         super().__init__(layers=[])
         self.num_blocks = num_blocks
-        # [tokens, heads, dim], token-major: a run of consecutive blocks is one contiguous slice,
-        # which attention reads as a view, and a gather of a step's keys (``specdec.batch.attention``)
-        # copies each token's heads as one run, not one run a head; SDPA reads the gather as a
-        # [B, heads, L, dim] view, with the same bits as from a head-major pool. On the demo target's
-        # shape (3 key heads of 64 dims, bf16, a 2-core AMD EPYC with AVX-512 BF16) a step's group
-        # attention over 30 layers, gathers and calls, took 11.1 ms against 15.4 head-major at 8
-        # decode rows of 60-250 keys, 19.9 against 29.3 at 16 rows of 40-300, 3.0 against 3.6 at
-        # one row (medians of 15 alternations in one process). Block 0 is scratch.
-        shape = (num_blocks * BLOCK, kv_heads, head_dim)
+        # [heads, tokens, dim]: a run of consecutive blocks is one contiguous slice per head, so
+        # attention reads it as a view. Block 0 is scratch.
+        shape = (kv_heads, num_blocks * BLOCK, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.dtype, self.device = dtype, torch.device(device)
@@ -183,8 +177,8 @@ class FlatBatchCache(Cache):
         # 20-token step took 80-100 us a call against 10-16 (the demo target, bf16, a 2-core AMD EPYC
         # with AVX-512 BF16), a sixth of what a 17-token verify pass cost over a 1-token step.
         keys, values = self.keys[layer_idx], self.values[layer_idx]
-        keys.index_copy_(0, self._write, key_states[0].transpose(0, 1).to(keys.dtype))
-        values.index_copy_(0, self._write, value_states[0].transpose(0, 1).to(values.dtype))
+        keys.index_copy_(1, self._write, key_states[0].to(keys.dtype))
+        values.index_copy_(1, self._write, value_states[0].to(values.dtype))
         return keys, values
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

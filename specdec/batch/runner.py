@@ -247,9 +247,9 @@ class BatchRunner:
             self.cache.forget(torch.tensor(dst))
             s = torch.tensor(src, device=self.device)
             d = torch.tensor(dst, device=self.device)
-            for keys, values in zip(self.cache.keys, self.cache.values):  # [tokens, heads, dim]
-                keys.index_copy_(0, d, keys.index_select(0, s))
-                values.index_copy_(0, d, values.index_select(0, s))
+            for keys, values in zip(self.cache.keys, self.cache.values):  # [heads, tokens, dim]
+                keys.index_copy_(1, d, keys.index_select(1, s))
+                values.index_copy_(1, d, values.index_select(1, s))
             if self.features is not None:
                 self.features.index_copy_(0, d, self.features.index_select(0, s))
 
