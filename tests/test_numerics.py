@@ -121,6 +121,63 @@ def test_a_chain_across_key_slot_counts_gives_each_token_its_decode_logits(targe
         assert torch.equal(r.forward([BatchRow("s", ids[: i + 1], 1, blocks)])[0][0], chain[i - start]), i
 
 
+def _decoded(model, ctx: list[int], path: list[int]) -> list[torch.Tensor]:
+    """The logits after ``ctx`` and after each token of ``path``, decoded one step at a time."""
+    r = BatchRunner(model, capacity_tokens=4 * CAP, invariant=True)
+    r.forward([BatchRow("d", ctx[:-1], 0, run_of(1, CAP))])
+    return [r.forward([BatchRow("d", ctx + path[:i], 1, run_of(1, CAP))])[0][0] for i in range(len(path) + 1)]
+
+
+def test_the_steps_chains_and_trees_share_a_call_and_give_each_token_its_decode_logits(target, monkeypatch):
+    """A verify pass of two draft chains and a token tree over contexts of one key-slot count:
+    where ``batched_chains_agree`` (the demo target's shape, on the CPUs measured), their
+    queries attend in ONE call a layer (``attention._Chains``: the chains, and the tree as one
+    chain a path), and every query's logits equal, bit for bit, those of a plain decode step of
+    its own context and path."""
+    calls = []
+    real = attention._Chains.attend
+    monkeypatch.setattr(attention._Chains, "attend",
+                        lambda self, *a: calls.append(self.tokens.numel()) or real(self, *a))
+    gen = torch.Generator().manual_seed(3)
+    vocab = target.config.vocab_size
+    ctxs = [torch.randint(1, vocab, (n,), generator=gen).tolist() for n in (60, 41, 75)]
+    chain, tree, parents = [11, 12, 13, 14], [21, 22, 23, 24, 25, 26, 27], (-1, -1, 0, 0, 1, 2, 4)
+    r = BatchRunner(target, capacity_tokens=8 * CAP, invariant=True)
+
+    def blocks(i):
+        return run_of(1 + blocks_for(CAP) * i, CAP)
+
+    r.forward([BatchRow(f"r{i}", c[:-1], 0, blocks(i)) for i, c in enumerate(ctxs)])
+    calls.clear()
+    a, t, b = r.forward([BatchRow("r0", ctxs[0] + chain, 5, blocks(0)),
+                         BatchRow("r1", ctxs[1] + tree, 1 + len(tree), blocks(1), parents),
+                         BatchRow("r2", ctxs[2] + chain[:2], 3, blocks(2))])
+    assert r.cache.batch_chains == attention.batched_chains_agree(3, 3, 64, target.dtype, "cpu")
+    if r.cache.batch_chains:  # 5 + 3 chained queries and the tree's 8: one call a layer
+        assert calls == [5 + 3 + 8] * target.config.num_hidden_layers
+    for got, want in ((a, _decoded(target, ctxs[0], chain)), (b, _decoded(target, ctxs[2], chain[:2]))):
+        assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
+    assert torch.equal(t[0], _decoded(target, ctxs[1], [])[0])
+    for node in range(len(tree)):
+        path = path_to(parents, node)
+        assert torch.equal(t[1 + node], _decoded(target, ctxs[1], [tree[j] for j in path])[-1]), node
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_batched_chains_probe_fails_a_call_that_rounds_otherwise(dtype, monkeypatch):
+    """``batched_chains_agree`` compares the step's own ``_Chains`` call with each query's
+    ``_Group`` entry. Negative control: a call that computes the same attention in another order
+    (scores, softmax and product as three operations) fails it."""
+    import torch.nn.functional as F
+
+    def unfused(q, k, v, mask, scaling):
+        scores = (q.float() @ k.float().transpose(-1, -2) * scaling).masked_fill(~mask, float("-inf"))
+        return (F.softmax(scores, dim=-1) @ v.float()).to(q.dtype)
+
+    monkeypatch.setattr(attention, "_chains_call", unfused)
+    assert not attention.batched_chains_agree.__wrapped__(3, 3, 64, dtype, "cpu")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_a_chain_of_any_length_rounds_as_its_queries_alone(dtype):
     """A ``_Chain`` call (a verify pass's queries, a prompt chunk's) gives each of its 2 to 70

@@ -109,6 +109,7 @@ class FlatBatchCache(Cache):
         self._placeholder_mask = torch.zeros(1, 1, 1, 1, dtype=dtype, device=device)
         self.invariant = False  # batch-invariant attention (``specdec.batch.attention.bind``)
         self.chain_prompts = False  # ... its prompt chunks' queries too (``attention.prompt_chains``)
+        self.batch_chains = False  # ... chains of one key-slot count in one call (``attention.batched_chains_agree``)
         self.holds: dict[int, bytes] = {}  # full block -> the prefix hash of what it holds
 
     @property
@@ -159,7 +160,8 @@ class FlatBatchCache(Cache):
         written = torch.cat(write)
         self.forget(written)
         self._write = written.to(dev)
-        attention.bind(ragged, dev, invariant=self.invariant, pad=pad, chain_prompts=self.chain_prompts)
+        attention.bind(ragged, dev, invariant=self.invariant, pad=pad, chain_prompts=self.chain_prompts,
+                       batch_chains=self.batch_chains)
         return torch.cat(q_pos)[None].to(dev), self._placeholder_mask
 
     def unbind(self) -> None:

@@ -19,7 +19,7 @@ import torch
 
 from specdec import trees
 from specdec.batch import numerics
-from specdec.batch.attention import prompt_chains, use_ragged
+from specdec.batch.attention import batched_chains_agree, prompt_chains, use_ragged
 from specdec.batch.blocks import BLOCK, blocks_for, prefix_hashes, slots
 from specdec.batch.cache import FlatBatchCache, RowPlan, kv_shape
 from specdec.batch.lean import LeanLlama
@@ -127,8 +127,9 @@ class BatchRunner:
         self.cache.invariant = invariant  # a token's logits do not depend on its row's length or the batch
         if invariant:  # ... nor on where its prompt chunk began, where the kernels allow it
             _, kv_heads, head_dim = kv_shape(cfg)
-            self.cache.chain_prompts = prompt_chains(kv_heads, cfg.num_attention_heads // kv_heads, head_dim,
-                                                     self.dtype, str(self.device))
+            shape = (kv_heads, cfg.num_attention_heads // kv_heads, head_dim, self.dtype, str(self.device))
+            self.cache.chain_prompts = prompt_chains(*shape)
+            self.cache.batch_chains = batched_chains_agree(*shape)
         # invariant: the row counts whose products round as a large batch's (``specdec.batch.numerics``)
         self._agreeing = (numerics.agreeing_counts(numerics.product_shapes(model), self.dtype, str(self.device))
                           if invariant else ())
