@@ -731,6 +731,41 @@ def test_plain_tpot_is_compared_with_the_step_at_its_workloads_decode_context():
     assert "beside" not in got["chat"]["detail"] and got["chat"]["value"] == pytest.approx(0.021 / 0.020)
 
 
+def test_speculation_targets_compare_auto_with_peers_and_plain_and_trees_with_their_chains():
+    from specdec.bench.costs import Costs
+    from specdec.bench.report import targets
+
+    def row(name, mode, tok_s, *, workload="chat", runner="ours", k=None, schedule="fixed", length=None,
+            speedup=None):
+        return {"name": name, "workload": workload, "runner": runner, "mode": mode, "k": k, "schedule": schedule,
+                "tokens_per_s": {"median": tok_s}, "tpot_s": {"p50": None}, "efficiency": None,
+                "speedup": speedup, "mean_accepted_length": length}
+
+    rows = [row("off", "off", 30.0), row("auto", "auto", 54.0, schedule="adaptive", speedup=1.8),
+            row("hf-assisted-default", "assisted", 40.0, runner="hf"),
+            row("hf-lookup-k4", "lookup", 46.0, runner="hf"), row("hf-plain", "plain", 50.0, runner="hf"),
+            row("eagle-k4", "eagle", 35.0, k=4, length=1.5), row("eagle_tree-k4", "eagle_tree", 30.0, k=4, length=2.1),
+            row("draft-k4", "draft", 33.0, k=4, length=1.2), row("draft_tree-k4", "draft_tree", 28.0, k=4, length=2.0),
+            row("eagle_tree-adaptive", "eagle_tree", 36.0, schedule="adaptive", length=3.0),
+            row("auto", "auto", 50.0, workload="code", schedule="adaptive", speedup=2.0),
+            row("hf-lookup-k4", "lookup", 40.0, workload="code", runner="hf")]
+    free = Costs(100, 0.030, None, verify_s={4: 0.033})
+    got = {(t["target"], t["scope"]): t for t in targets(rows, free)}
+    # transformers' plain row is not a peer of speculation: the best assisted / lookup row is
+    peer = got[("auto >= 1.2x transformers' best", "chat")]
+    assert peer["value"] == pytest.approx(54 / 46) and not peer["met"] and "hf-lookup-k4" in peer["detail"]
+    assert got[("auto >= 1.2x transformers' best", "code")]["met"]
+    assert got[("auto >= 1.6x off where v(4) <= 1.2", "chat")]["met"]
+    assert not got[("auto >= 2.5x off where v(4) <= 1.2", "code")]["met"]
+    # the tree with the longest rounds at a fixed k, against its own drafter's chain at that k
+    # (not the adaptive tree's, nor another drafter's chain)
+    tree = got[("best tree length >= 1.3x its chain's", "chat")]
+    assert tree["value"] == pytest.approx(2.1 / 1.5) and tree["met"] and "eagle_tree-k4" in tree["detail"]
+    # Where a verify pass is dear, the speedup goals do not apply; the others still do.
+    dear = [t["target"] for t in targets(rows, Costs(100, 0.030, None, verify_s={4: 0.060}))]
+    assert not any(" off where" in t for t in dear) and "best tree length >= 1.3x its chain's" in dear
+
+
 def test_ideal_from_measured_tokens_credits_runs_of_acceptance():
     """Prompt lookup accepts whole runs or nothing: the i.i.d. formula at the same mean
     acceptance underestimates what those rounds allow; the measured one counts the tokens."""

@@ -286,6 +286,55 @@ def targets(rows: list[dict], costs: Costs | None = None, contexts: dict[str, in
                 worst, w = min(ratios)
                 out.append({"target": "HTTP single stream >= 0.85x in-process", "scope": name, "value": worst,
                             "threshold": 0.85, "met": worst >= 0.85, "detail": f"worst workload: {w}"})
+    return out + _speculation_targets(rows, workloads, costs)
+
+
+AUTO_OVER_PEER = 1.2  # auto over transformers' best assisted / prompt-lookup row, every workload
+# auto over plain decoding, where verifying drafts is nearly free (v(4) <= FREE_VERIFY)
+AUTO_SPEEDUP = {"chat": 1.6, "sampling": 1.4, "code": 2.5, "grounded": 2.5}
+FREE_VERIFY = 1.2
+TREE_OVER_CHAIN = 1.3  # the best tree mode's mean accepted length over its chain's, same k, on chat
+
+
+def _speculation_targets(rows: list[dict], workloads: list[str], costs: Costs | None) -> list[dict]:
+    """What speculation must deliver: ``auto`` against transformers' best speculative row and
+    against plain decoding (the latter only on a machine where a 5-token pass costs at most
+    ``FREE_VERIFY`` steps: elsewhere verifying drafts is not free and the goal does not apply),
+    and trees against chains: a tree of depth k earns its extra nodes only by keeping more of
+    the target's tokens a round than the chain of k drafts its drafter would have proposed."""
+    out = []
+    v4 = costs.v.get(4) if costs is not None else None
+    for w in workloads:
+        wr = [r for r in rows if r["workload"] == w]
+        auto = _best(wr, lambda r: r["runner"] == "ours" and r["mode"] == "auto")
+        if auto is None:
+            continue
+        a = auto["tokens_per_s"]["median"]
+        peer = _best(wr, lambda r: r["runner"] == "hf" and r["mode"] in ("assisted", "lookup"))
+        if peer:
+            b = peer["tokens_per_s"]["median"]
+            out.append({"target": f"auto >= {AUTO_OVER_PEER}x transformers' best", "scope": w, "value": a / b,
+                        "threshold": AUTO_OVER_PEER, "met": a >= AUTO_OVER_PEER * b,
+                        "detail": f"auto {a:.1f} vs {peer['name']} {b:.1f} tok/s"})
+        if w in AUTO_SPEEDUP and v4 is not None and v4 <= FREE_VERIFY and auto["speedup"] is not None:
+            goal = AUTO_SPEEDUP[w]
+            out.append({"target": f"auto >= {goal}x off where v(4) <= {FREE_VERIFY}", "scope": w,
+                        "value": auto["speedup"], "threshold": goal, "met": auto["speedup"] >= goal,
+                        "detail": f"v(4) = {v4:.2f}; auto {a:.1f} tok/s"})
+    chat = [r for r in rows if r["workload"] == "chat" and r["runner"] == "ours" and r.get("schedule") == "fixed"
+            and r.get("mean_accepted_length") is not None]
+    pairs = []
+    for tree in (r for r in chat if r["mode"].endswith("_tree")):
+        chain = next((r for r in chat if r["mode"] == tree["mode"].removesuffix("_tree") and r["k"] == tree["k"]), None)
+        if chain:
+            pairs.append((tree, chain))
+    if pairs:
+        tree, chain = max(pairs, key=lambda p: p[0]["mean_accepted_length"])
+        ratio = tree["mean_accepted_length"] / chain["mean_accepted_length"]
+        out.append({"target": f"best tree length >= {TREE_OVER_CHAIN}x its chain's", "scope": "chat",
+                    "value": ratio, "threshold": TREE_OVER_CHAIN, "met": ratio >= TREE_OVER_CHAIN,
+                    "detail": f"{tree['name']} {tree['mean_accepted_length']:.2f} vs {chain['name']} "
+                              f"{chain['mean_accepted_length']:.2f} tokens a round"})
     return out
 
 
