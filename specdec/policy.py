@@ -23,6 +23,7 @@ already worse (3.95 / 1.72 = 2.30), so k = 5.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -114,10 +115,19 @@ class PolicyConfig(BaseModel):
         3, ge=1, description="Quality guard: after this many replays that differ, the unit switches speculation "
         "off by itself (the kill switch) and logs why; set kill_switch: false again to resume."
     )
+    explore: float = Field(
+        0.01, ge=0, le=1, description="How much an adaptive request's choice of drafter favours one it has "
+        "seen little of lately: each drafter's acceptance is read optimistically by ``sqrt(explore * ln(N) / n)``, "
+        "n its recent rounds and N everyone's (discounted upper confidence bounds), so a drafter that lost a "
+        "few unlucky rounds is tried again while one that keeps losing is tried less and less; 0: greedy."
+    )
     confidence_stop: bool = Field(
         True, description="An adaptive request's draft chain stops where the drafter's own confidence "
         "says one more draft would not pay (drafts with a distribution; a request's explicit k is kept whole)."
     )
+
+
+RECENCY = 0.98  # a round's weight in DrafterRecord.recent after each later round: ~50 rounds' memory
 
 
 class Costs(Protocol):
@@ -160,11 +170,15 @@ class DrafterRecord:
     calibration: dict[str, tuple[float, float]] = field(default_factory=dict)
     sizes: dict[str, float] = field(default_factory=dict)
     rounds: dict[str, int] = field(default_factory=dict)
+    recent: dict[str, float] = field(default_factory=dict)  # rounds of each mode, discounted by RECENCY a round
 
     def observe(self, r: RoundStats, w: float, prior: float, tree: bool) -> None:
         """One round that drafted; ``tree``: its mode grows trees (``prior``: a before any round)."""
         seen = self.rounds.get(r.mode, 0)
         self.rounds[r.mode] = seen + 1
+        for m in self.recent:
+            self.recent[m] *= RECENCY
+        self.recent[r.mode] = self.recent.get(r.mode, 0.0) + 1.0
         w = max(w, 1.0 / (seen + 2))
         acc, rej = self.trials.get(r.mode, (prior, 1 - prior))
         # A tree's a is per level: did the target take one of the candidates at each depth
@@ -190,7 +204,25 @@ class DrafterRecord:
         return acc / (acc + rej) if acc + rej > 0 else None
 
     def copy(self) -> "DrafterRecord":
-        return DrafterRecord(dict(self.trials), dict(self.calibration), dict(self.sizes), dict(self.rounds))
+        return DrafterRecord(dict(self.trials), dict(self.calibration), dict(self.sizes), dict(self.rounds),
+                             dict(self.recent))
+
+    def optimism(self, mode: str, explore: float) -> float:
+        """What ``mode``'s acceptance gains when drafters are chosen optimistically: the bonus
+        of discounted UCB (Garivier and Moulines, 2011), ``sqrt(explore * ln N / n)`` with ``n``
+        the mode's recent rounds and ``N`` all modes'. A mode not run for a while sees ``n``
+        shrink and its bonus grow until it is tried again; one never run has no bonus (its
+        prior stands in). Two recent rounds against fifty of another: ``n`` = 2, ``N`` = 52,
+        at ``explore`` = 0.01 a bonus of ``sqrt(0.01 * 3.95 / 2)`` = 0.14.
+
+            >>> r = DrafterRecord(recent={"eagle_tree": 2.0, "eagle": 50.0})
+            >>> round(r.optimism("eagle_tree", 0.01), 2), round(r.optimism("eagle", 0.01), 2)
+            (0.14, 0.03)
+        """
+        n = self.recent.get(mode, 0.0)
+        if n <= 0.0 or explore <= 0.0:
+            return 0.0
+        return math.sqrt(explore * math.log(max(math.e, sum(self.recent.values()))) / n)
 
 
 @dataclass
@@ -329,7 +361,23 @@ class SpeculationPolicy:
         return max(1, min(cfg.tree_nodes, round(size)))
 
     def _best(self, cfg: PolicyConfig, skip: frozenset[str] = frozenset()) -> tuple[str, int, float] | None:
-        """The best (mode, k, expected speedup) over the drafters but ``skip`` (None: no other)."""
+        """The drafter and k to run and the best expected speedup over the drafters but ``skip``
+        (None: no other). The speedup is the best estimate's (it decides fallback and the
+        confidence stop); the drafter is the one whose optimistic estimate is best
+        (``DrafterRecord.optimism``), run at the k its own estimate gives. Greedy, one unlucky
+        round could retire the best drafter for the unit's life: the unit's record seeds every
+        later request, and no request would run that drafter again to correct it."""
+        options = self._options(cfg, skip)
+        if not options:
+            return None
+        best = max(options, key=lambda o: o[2])
+        if self.adaptive and cfg.explore > 0 and len(options) > 1:
+            chosen = max(options, key=lambda o: o[3])
+            return chosen[0], chosen[1], best[2]
+        return best[:3]
+
+    def _options(self, cfg: PolicyConfig, skip: frozenset[str]) -> list[tuple[str, int, float, float]]:
+        """(mode, k, expected speedup, optimistic speedup) for each drafter but ``skip``."""
         k_max = min(cfg.k_max, self.k_request or cfg.k_max) if not self.adaptive else cfg.k_max
         options = []
         chain_v = [self.costs.v(k) for k in range(k_max + 1)]  # once a decision, not once a mode and k
@@ -345,16 +393,18 @@ class SpeculationPolicy:
                 if self.adaptive and self.record.acceptance(mode) is None:
                     # the prior: no deeper than its nodes, and a level tries what its nodes allow
                     chain = self._chain_acceptance(mode, cfg)
-                    options.append(max(((mode, j, expected_speedup(self._tree_prior(chain, nodes / j), j, c, v.__getitem__))
-                                        for j in range(1, min(k_max, nodes) + 1)), key=lambda o: o[2]))
+                    o = max(((mode, j, expected_speedup(self._tree_prior(chain, nodes / j), j, c, v.__getitem__))
+                             for j in range(1, min(k_max, nodes) + 1)), key=lambda o: o[2])
+                    options.append((*o, o[2]))
                     continue
             if self.adaptive:
                 k, s = best_k(a, c, v, k_max)
+                bonus = self.record.optimism(mode, cfg.explore)
+                options.append((mode, k, s, best_k(min(1.0, a + bonus), c, v, k_max)[1] if bonus else s))
             else:
                 k = k_max
-                s = expected_speedup(a, k, c, v.__getitem__)
-            options.append((mode, k, s))
-        return max(options, key=lambda o: o[2]) if options else None
+                options.append((mode, k, expected_speedup(a, k, c, v.__getitem__), 0.0))
+        return options
 
     def estimate(self, mode: str, cfg: PolicyConfig | None = None) -> float:
         """The per-token (a tree's: per-level) acceptance of ``mode``: measured, else its prior."""

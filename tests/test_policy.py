@@ -143,6 +143,44 @@ def test_a_request_from_bare_priors_learns_every_useless_drafter_in_a_few_rounds
     assert speculative_rounds(mature) >= 2 * fresh
 
 
+def test_a_drafter_that_lost_a_few_unlucky_rounds_is_tried_again_and_taken_back():
+    """The unit's record seeds every request, so a greedy choice of drafter never corrects a
+    bad start: ``eagle`` (true acceptance 0.9) whose first four rounds drew nothing loses to
+    ``draft`` (0.6) for good. Choosing by optimistic estimates (``PolicyConfig.explore``), the
+    policy runs ``eagle`` again once its evidence is old, sees what it is worth and keeps it;
+    the control (explore 0, greedy) runs ``draft`` to the end. Then the price: a drafter that
+    really is useless is retried rarely (at most one round in 25 of a long run)."""
+    costs = StepCosts()
+    costs.observe_verify(1, 0.01)
+    truth = {"eagle": 0.9, "draft": 0.6, "medusa": 0.0}
+
+    def run(explore, modes=("eagle", "draft"), unlucky=("eagle",), n=400):
+        rng = random.Random(0)
+        cfg = PolicyConfig(explore=explore, probe_interval=8)
+        policy = SpeculationPolicy(modes=list(modes), costs=costs, config=lambda: cfg)
+        rounds = [RoundStats(0, "prefill", 0, 0, 0, 1, 0.0, 0.05)]
+        for m in unlucky:  # four rounds of 4 drafts, each rejected at the first
+            rounds += [rnd(len(rounds), m, 4, 0) for _ in range(4)]
+        start, used = len(rounds), []
+        for i in range(start, start + n):
+            mode, k = policy.decide(rounds)
+            if not k:
+                rounds.append(RoundStats(i, "off", 0, 0, 0, 1, 0.0, 0.01))
+                continue
+            accepted = 0
+            while accepted < k and rng.random() < truth[mode]:
+                accepted += 1
+            rounds.append(rnd(i, mode, k, accepted))
+            used.append(mode)
+        return used
+
+    explored, greedy = run(0.01), run(0.0)
+    assert explored[-100:].count("eagle") >= 90, explored[-100:]
+    assert "eagle" not in greedy, greedy.count("eagle")
+    useless = run(0.01, modes=("draft", "medusa"), unlucky=("medusa",), n=600)
+    assert 0 < useless.count("medusa") <= len(useless) // 25, useless.count("medusa")
+
+
 def test_good_draft_rises_to_k_max():
     policy = make_policy(PolicyConfig(k_max=6))
     ks = drive(policy, accept=0.97, n_rounds=60)
