@@ -128,12 +128,12 @@ def _decoded(model, ctx: list[int], path: list[int]) -> list[torch.Tensor]:
     return [r.forward([BatchRow("d", ctx + path[:i], 1, run_of(1, CAP))])[0][0] for i in range(len(path) + 1)]
 
 
-def test_the_steps_chains_share_a_call_and_give_each_token_its_decode_logits(target, monkeypatch):
+def test_the_steps_chains_and_trees_share_a_call_and_give_each_token_its_decode_logits(target, monkeypatch):
     """A verify pass of two draft chains and a token tree over contexts of one key-slot count:
-    where ``batched_chains_agree`` (the demo target's shape, on the CPUs measured), the chains'
-    queries attend in ONE call a layer (``attention._Chains``; the tree's nodes as ``_Group``
-    entries), and every query's logits equal, bit for bit, those of a plain decode step of its
-    own context and path."""
+    where ``batched_chains_agree`` (the demo target's shape, on the CPUs measured), their
+    queries attend in ONE call a layer (``attention._Chains``: the chains, and the tree as one
+    chain a path), and every query's logits equal, bit for bit, those of a plain decode step of
+    its own context and path."""
     calls = []
     real = attention._Chains.attend
     monkeypatch.setattr(attention._Chains, "attend",
@@ -153,8 +153,8 @@ def test_the_steps_chains_share_a_call_and_give_each_token_its_decode_logits(tar
                          BatchRow("r1", ctxs[1] + tree, 1 + len(tree), blocks(1), parents),
                          BatchRow("r2", ctxs[2] + chain[:2], 3, blocks(2))])
     assert r.cache.batch_chains == attention.batched_chains_agree(3, 3, 64, target.dtype, "cpu")
-    if r.cache.batch_chains:  # 5 + 3 chained queries: one call a layer
-        assert calls == [5 + 3] * target.config.num_hidden_layers
+    if r.cache.batch_chains:  # 5 + 3 chained queries and the tree's 8: one call a layer
+        assert calls == [5 + 3 + 8] * target.config.num_hidden_layers
     for got, want in ((a, _decoded(target, ctxs[0], chain)), (b, _decoded(target, ctxs[2], chain[:2]))):
         assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
     assert torch.equal(t[0], _decoded(target, ctxs[1], [])[0])

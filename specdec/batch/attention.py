@@ -282,11 +282,12 @@ class _Chains:
     its keys gathered as ``_Chain`` gathers them and its query rows ``(query, head)`` padded,
     by repeating its last, to the count ``R`` of the longest (a multiple of a ``_Group``
     entry's, ``_pad_rows``). Where ``batched_chains_agree`` says such a call rounds every
-    query as its own ``_Group`` entry would, the outputs are the same bits as one call a chain,
-    and the draft chains of a step's rows share a call a layer. A runner's verify step on the
-    demo target (bf16, 2-core AMD EPYC with AVX-512 BF16, medians of 12 alternations in one
-    process, the same logits): 4 / 8 / 16 rows of 4 drafts each over 40-300 keys took 0.92 /
-    0.77-0.82 / 0.70 of the time of one call a chain.
+    query as its own ``_Group`` entry would, the outputs are the same bits as one call a chain;
+    the rows of a step's draft chains and token trees then share a call a layer. A runner's
+    verify step on the demo target (bf16, 2-core AMD EPYC with AVX-512 BF16, medians of 12
+    alternations in one process, the same logits): 4 / 8 / 16 rows of 4 drafts each over 40-300
+    keys took 0.92 / 0.77-0.82 / 0.70 of the time of one call a chain; a lone row's tree of 4 to
+    16 nodes 0.91-0.94 of the time as ``_Group`` entries.
 
     keys: [B * L] the chains' ``keys`` back to back; tokens: [b] their queries' flat tokens."""
 
@@ -339,32 +340,69 @@ def _chains_call(q, k, v, mask, scaling) -> torch.Tensor:
     return F.scaled_dot_product_attention(q.contiguous(), k, v, attn_mask=mask, scale=scaling)
 
 
-def _split_chains(r: RaggedRow, device) -> tuple[list[_Chain], list[tuple[int, torch.Tensor]]]:
-    """A row's queries as ``_Chain`` calls where each sees a prefix of its keys (not a token
-    tree's), by key-slot count, and the rest as (flat token, key rows) for the ``_Group``s."""
+def _split_chains(r: RaggedRow, device, trees: bool = False) -> tuple[list[_Chain], list[tuple[int, torch.Tensor]]]:
+    """A row's queries as ``_Chain`` calls, by key-slot count, and the rest as (flat token, key
+    rows) for the ``_Group``s. A chain's queries each see a prefix of its keys: a row whose
+    queries see prefixes of its own keys is one chain (a slot count); with ``trees`` (the step's
+    chains batched, ``_Chains``), a token tree is one a path (``_tree_paths``), each node in the
+    chain of one path through it, a path's lone node a chain of one (its call the batch's)."""
     queries = _query_keys(r)
     if r.q < CHAIN_MIN_QUERIES:
         return [], queries
+    rows = r.key_rows()
     if r.mask is None:
-        counts = torch.full((r.q,), r.n, dtype=torch.long)
+        paths = [(rows, list(range(r.q)), [r.n] * r.q)]
     else:
         counts = r.mask.sum(dim=1)
-        if not torch.equal(r.mask, torch.arange(r.n)[None] < counts[:, None]):
-            return [], queries  # a tree: ancestors are not a prefix
-    rows, chains, rest = r.key_rows(), [], []
-    by_slots: dict[int, list[int]] = {}
-    for j, c in enumerate(counts.tolist()):
-        by_slots.setdefault(key_slots(c), []).append(j)
-    for length, js in sorted(by_slots.items()):
-        if len(js) < CHAIN_MIN_QUERIES:
-            rest.extend(queries[j] for j in js)
-            continue
-        keys = torch.zeros(length, dtype=torch.long)
-        n = min(r.n, length)
-        keys[:n] = rows[:n]
-        chains.append(_Chain(torch.tensor([r.t0 + j for j in js], device=device), counts[js].to(device),
-                             keys.to(device), length, [queries[j] for j in js]))
+        if torch.equal(r.mask, torch.arange(r.n)[None] < counts[:, None]):  # a chain, a prompt chunk
+            paths = [(rows, list(range(r.q)), counts.tolist())]
+        elif not trees or (paths := _tree_paths(r, rows)) is None:
+            return [], queries
+    chains, rest = [], []
+    for keys_of_path, js, counts in paths:
+        by_slots: dict[int, list[int]] = {}
+        for j, c in zip(js, counts):
+            by_slots.setdefault(key_slots(c), []).append(j)
+        count_of = dict(zip(js, counts))
+        for length, members in sorted(by_slots.items()):
+            if len(members) < (1 if len(paths) > 1 else CHAIN_MIN_QUERIES):  # a tree's lone node: a chain
+                rest.extend(queries[j] for j in members)
+                continue
+            keys = torch.zeros(length, dtype=torch.long)
+            n = min(len(keys_of_path), length)
+            keys[:n] = keys_of_path[:n]
+            chains.append(_Chain(torch.tensor([r.t0 + j for j in members], device=device),
+                                 torch.tensor([count_of[j] for j in members], device=device),
+                                 keys.to(device), length, [queries[j] for j in members]))
     return chains, rest
+
+
+def _tree_paths(r: RaggedRow, rows: torch.Tensor) -> list[tuple[torch.Tensor, list[int], list[int]]] | None:
+    """A row's queries as paths: (key rows, queries, each query's key count), every query in one
+    path and seeing a prefix of its key rows; None unless every query sees all keys before the
+    row's own tokens (a chain's mask, or a token tree's: the context, then its ancestors and
+    itself). Deepest query first, a path is its keys and takes every query whose keys are a
+    prefix of them: a chain is one path, a tree one a leaf.
+
+    >>> m = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)  # 2 nodes under a root
+    >>> [(k.tolist(), js, n) for k, js, n in _tree_paths(RaggedRow(0, 3, slice(10, 14), 4, m), torch.arange(10, 14))]
+    [([10, 11, 12], [0, 1], [2, 3]), ([10, 11, 13], [2], [3])]
+    """
+    context = r.n - r.q
+    if not bool(r.mask[:, :context].all()):
+        return None
+    seen = [[context + i for i, s in enumerate(row) if s] for row in r.mask[:, context:].tolist()]
+    paths, taken = [], set()
+    for j in sorted(range(r.q), key=lambda j: -len(seen[j])):
+        if j in taken:
+            continue
+        own = seen[j]
+        members = [i for i in range(r.q) if i not in taken and own[: len(seen[i])] == seen[i]]
+        members.sort(key=lambda i: len(seen[i]))  # shallowest first, as a chain's queries
+        taken.update(members)
+        keys = torch.cat([rows[:context], rows[torch.tensor(own, dtype=torch.long)]]) if own else rows[:context]
+        paths.append((keys, members, [context + len(seen[i]) for i in members]))
+    return paths
 
 
 @dataclass(frozen=True)
@@ -395,18 +433,21 @@ def bind(rows: list[RaggedRow], device: torch.device | str = "cpu", *, invariant
     ``chain_calls_agree``, ``prompt_chains``) its queries attend as ``_Chain``s too, so that
     every token's keys and values are what a decode step computes for it, wherever its chunk
     begins: a prefix any other sequence filled is then the same bits. With ``batch_chains``
-    (where ``batched_chains_agree``) the chains of one key-slot count share a call (``_Chains``).
+    (where ``batched_chains_agree``) the chains of one key-slot count share a call
+    (``_Chains``), token trees' paths among them.
     """
     packed = None if invariant else pack(rows, device)
     small = [i for i, r in enumerate(rows) if r.q <= PACK_MAX_QUERIES or chain_prompts] if invariant else []
     chains, queries = [], []
     for i in small:
-        c, rest = _split_chains(rows[i], device)
+        c, rest = _split_chains(rows[i], device, trees=batch_chains)
         chains.extend(c)
         queries.extend(rest)
     batches = _batched(chains) if batch_chains else []
     batched = {id(c) for batch in batches for c in batch.chains}
     chains = [c for c in chains if id(c) not in batched]
+    queries.extend(q for c in chains if c.tokens.numel() < CHAIN_MIN_QUERIES for q in c.queries)  # a tree's, alone
+    chains = [c for c in chains if c.tokens.numel() >= CHAIN_MIN_QUERIES]
     groups = _groups(queries, device) if queries else []
     taken = set(packed.rows if packed is not None else ()) | set(small)
     alone = [i for i in range(len(rows)) if i not in taken]
@@ -415,9 +456,9 @@ def bind(rows: list[RaggedRow], device: torch.device | str = "cpu", *, invariant
 
 
 def _batched(chains: list[_Chain]) -> list[_Chains]:
-    """The step's chains of at most ``PACK_MAX_QUERIES`` queries (a decode row's pending token
-    and drafts; not a prompt chunk's, whose rows would pad the others') that share a key-slot
-    count with another, as one ``_Chains`` a count."""
+    """The step's chains of at most ``PACK_MAX_QUERIES`` queries (a decode row's drafts, a tree's
+    paths; not a prompt chunk's, whose rows would pad the others') that share a key-slot count
+    with another, as one ``_Chains`` a count."""
     by_slots: dict[int, list[_Chain]] = {}
     for c in chains:
         if c.tokens.numel() <= PACK_MAX_QUERIES:
@@ -536,7 +577,7 @@ def prompt_chains(kv_heads: int, groups: int, dim: int, dtype: torch.dtype, devi
 @functools.cache
 def batched_chains_agree(kv_heads: int, groups: int, dim: int, dtype: torch.dtype, device: str) -> bool:
     """Whether a ``_Chains`` call gives every query bitwise the output its own ``_Group`` entry
-    gives: batches of 2 to 8 chains of 2 to 17 queries, their rows padded to the longest's, over
+    gives: batches of 2 to 8 chains of 1 to 17 queries, their rows padded to the longest's, over
     37 to 700 keys, through the step's own gathers and calls (``_Chains.attend`` against
     ``_Groups.attend``). Measured once per shape: it is the kernel's. Seen on a 2-core AMD EPYC
     with AVX-512 BF16 at the demo target's shape: agree in bf16 and fp32."""
@@ -545,12 +586,12 @@ def batched_chains_agree(kv_heads: int, groups: int, dim: int, dtype: torch.dtyp
     gen = torch.Generator().manual_seed(2)
     heads = kv_heads * groups
     for n0 in (37, 250, 700):
-        for sizes in ((2, 5), (5,) * 8, (2, 3, 11, 17), (17, 2, 4)):
+        for sizes in ((2, 5), (5,) * 8, (2, 3, 11, 17), (17, 2, 4), (1, 5, 1, 3, 1)):
             length = key_slots(n0 + max(sizes) - 1)
             chains, queries, base, t = [], [], 1, 0
             for size in sizes:
                 counts = [n for n in range(n0, n0 + size) if key_slots(n) == length]
-                if len(counts) < CHAIN_MIN_QUERIES:
+                if not counts:
                     continue
                 rows = torch.arange(base, base + counts[-1])
                 keys = torch.zeros(length, dtype=torch.long)
