@@ -172,13 +172,15 @@ class DrafterRecord:
     rounds: dict[str, int] = field(default_factory=dict)
     recent: dict[str, float] = field(default_factory=dict)  # rounds of each mode, discounted by RECENCY a round
 
-    def observe(self, r: RoundStats, w: float, prior: float, tree: bool) -> None:
-        """One round that drafted; ``tree``: its mode grows trees (``prior``: a before any round)."""
+    def observe(self, r: RoundStats, w: float, prior: float, tree: bool, ran: bool = True) -> None:
+        """One round that drafted; ``tree``: its mode grows trees (``prior``: a before any round).
+        ``ran``: False for a shadow round (``SpeculationPolicy.shadow``), the evidence about a
+        drafter that did not run: the round that did advances the other modes' clock."""
         seen = self.rounds.get(r.mode, 0)
         self.rounds[r.mode] = seen + 1
-        for m in self.recent:
+        for m in self.recent if ran else ():
             self.recent[m] *= RECENCY
-        self.recent[r.mode] = self.recent.get(r.mode, 0.0) + 1.0
+        self.recent[r.mode] = self.recent.get(r.mode, 0.0) * (1.0 if ran else RECENCY) + 1.0
         w = max(w, 1.0 / (seen + 2))
         acc, rej = self.trials.get(r.mode, (prior, 1 - prior))
         # A tree's a is per level: did the target take one of the candidates at each depth
@@ -294,7 +296,7 @@ class SpeculationPolicy:
         r = RoundStats(index=-1, mode=mode, k=len(proposed), drafted=len(proposed), accepted=accepted,
                        emitted=0, draft_s=0.0, verify_s=0.0, full=accepted >= min(len(proposed), len(emitted)))
         cfg = self.config()
-        self.record.observe(r, cfg.ewma, cfg.prior_acceptance, mode in self.tree_modes)
+        self.record.observe(r, cfg.ewma, cfg.prior_acceptance, mode in self.tree_modes, ran=False)
         return r
 
     def stop_below(self, mode: str) -> float:

@@ -181,6 +181,23 @@ def test_a_drafter_that_lost_a_few_unlucky_rounds_is_tried_again_and_taken_back(
     assert 0 < useless.count("medusa") <= len(useless) // 25, useless.count("medusa")
 
 
+def test_only_rounds_that_ran_age_the_other_drafters_evidence():
+    """Exploration's clock (``DrafterRecord.recent``) is rounds that ran: prompt lookup scored in
+    the shadow of every round must not age the evidence about the drafter that ran, or a drafter
+    would be retried twice as often wherever lookup is shadowed. A round that ran ages all."""
+    costs = StepCosts()
+    costs.observe_verify(1, 0.01)
+    record = DrafterRecord(recent={"draft": 5.0})
+    policy = SpeculationPolicy(modes=["ngram", "draft"], costs=costs, config=lambda: PolicyConfig(),
+                               record=record, shadowed=frozenset({"ngram"}))
+    for _ in range(10):
+        policy.shadow("ngram", [11, 12], [11])
+    assert record.recent["draft"] == 5.0 and 5.0 < record.recent["ngram"] < 10.0
+    lookup = record.recent["ngram"]
+    policy.observe([rnd(0, "draft", 2, 1)])
+    assert record.recent["draft"] == pytest.approx(5.0 * 0.98 + 1) and record.recent["ngram"] == pytest.approx(lookup * 0.98)
+
+
 def test_good_draft_rises_to_k_max():
     policy = make_policy(PolicyConfig(k_max=6))
     ks = drive(policy, accept=0.97, n_rounds=60)

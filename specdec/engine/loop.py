@@ -677,7 +677,7 @@ class StepLoop:
             stats = policy.shadow(mode, proposed, emitted)
             if stats is not None:
                 with self._record_lock:
-                    self.record.observe(stats, UNIT_EWMA, self.policy_config().prior_acceptance, False)
+                    self.record.observe(stats, UNIT_EWMA, self.policy_config().prior_acceptance, False, ran=False)
 
     def _stop_ids(self, req: GenerationRequest) -> frozenset[int]:
         return req.stop_token_ids if req.ignore_eos else req.stop_token_ids | self.eos_token_ids
