@@ -209,22 +209,22 @@ class DrafterRecord:
         return DrafterRecord(dict(self.trials), dict(self.calibration), dict(self.sizes), dict(self.rounds),
                              dict(self.recent))
 
-    def optimism(self, mode: str, explore: float) -> float:
-        """What ``mode``'s acceptance gains when drafters are chosen optimistically: the bonus
+    def optimism(self, explore: float) -> dict[str, float]:
+        """What each mode's acceptance gains when drafters are chosen optimistically: the bonus
         of discounted UCB (Garivier and Moulines, 2011), ``sqrt(explore * ln N / n)`` with ``n``
         the mode's recent rounds and ``N`` all modes'. A mode not run for a while sees ``n``
-        shrink and its bonus grow until it is tried again; one never run has no bonus (its
-        prior stands in). Two recent rounds against fifty of another: ``n`` = 2, ``N`` = 52,
-        at ``explore`` = 0.01 a bonus of ``sqrt(0.01 * 3.95 / 2)`` = 0.14.
+        shrink and its bonus grow until it is tried again; one never run has none (its prior
+        stands in). Two recent rounds against fifty of another: ``n`` = 2, ``N`` = 52, at
+        ``explore`` = 0.01 a bonus of ``sqrt(0.01 * 3.95 / 2)`` = 0.14.
 
-            >>> r = DrafterRecord(recent={"eagle_tree": 2.0, "eagle": 50.0})
-            >>> round(r.optimism("eagle_tree", 0.01), 2), round(r.optimism("eagle", 0.01), 2)
+            >>> bonus = DrafterRecord(recent={"eagle_tree": 2.0, "eagle": 50.0}).optimism(0.01)
+            >>> round(bonus["eagle_tree"], 2), round(bonus["eagle"], 2)
             (0.14, 0.03)
         """
-        n = self.recent.get(mode, 0.0)
-        if n <= 0.0 or explore <= 0.0:
-            return 0.0
-        return math.sqrt(explore * math.log(max(math.e, sum(self.recent.values()))) / n)
+        if explore <= 0.0:
+            return {}
+        scale = explore * math.log(max(math.e, sum(self.recent.values())))  # once a decision, not once a mode
+        return {m: math.sqrt(scale / n) for m, n in self.recent.items() if n > 0.0}
 
 
 @dataclass
@@ -383,6 +383,7 @@ class SpeculationPolicy:
         k_max = min(cfg.k_max, self.k_request or cfg.k_max) if not self.adaptive else cfg.k_max
         options = []
         chain_v = [self.costs.v(k) for k in range(k_max + 1)]  # once a decision, not once a mode and k
+        optimism = self.record.optimism(cfg.explore) if self.adaptive else {}
         for mode in self.modes:
             if mode in skip:
                 continue
@@ -401,7 +402,7 @@ class SpeculationPolicy:
                     continue
             if self.adaptive:
                 k, s = best_k(a, c, v, k_max)
-                bonus = self.record.optimism(mode, cfg.explore)
+                bonus = optimism.get(mode, 0.0)
                 options.append((mode, k, s, best_k(min(1.0, a + bonus), c, v, k_max)[1] if bonus else s))
             else:
                 k = k_max
