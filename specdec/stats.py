@@ -34,6 +34,7 @@ class RoundStats:
     events: tuple[str, ...] = ()  # the policy's decisions taken before this round ("probe:draft", ...)
     confidence: tuple[float, ...] = ()  # the drafter's probability of each draft token (none: prompt lookup)
     full: bool | None = None  # its drafts ran out unrejected (a tree: the path reached a leaf); None: unknown
+    match: int = 0  # prompt lookup's rounds, run or scored in the shadow: the length of the suffix it matched
 
     @property
     def bonus(self) -> bool:

@@ -218,7 +218,7 @@ def test_the_guard_vetoes_speculation_that_loses_under_load(llama_pair, monkeypa
         return propose(self, rows)
 
     monkeypatch.setattr(ModelDrafter, "propose", slow)
-    monkeypatch.setattr(SpeculationPolicy, "_k", lambda self, index, cfg, idle=None: 3)
+    monkeypatch.setattr(SpeculationPolicy, "_k", lambda self, index, cfg, handover=False: 3)
     monkeypatch.setattr(step_loop, "allocate", lambda cands, costs, other=0: [c.k_cap for c in cands])
     ids = [engine.encode(prompt=p) for p in PROMPTS[:5]]
     plain = [_solo(engine, i, 64) for i in ids]

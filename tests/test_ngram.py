@@ -36,7 +36,8 @@ def test_no_match_is_an_empty_proposal_and_k_caps_length():
 
 @pytest.mark.parametrize("min_n,max_n", [(1, 4), (2, 3), (1, 1)])
 def test_the_index_answers_as_the_scan_does_as_a_sequence_grows(min_n, max_n):
-    """The drafter's per-row index gives prompt_lookup's answer after every token, over
+    """The drafter's per-row index gives prompt_lookup's answer (and the length of the suffix
+    it matched: the longest n a scan finds) after every token, over
     sequences with many repeats (a small vocabulary), and starts afresh for another sequence
     under the same key (a shorter one, and one of the same length with another last token)."""
     rng = random.Random(min_n * 10 + max_n)
@@ -46,6 +47,8 @@ def test_the_index_answers_as_the_scan_does_as_a_sequence_grows(min_n, max_n):
         for _ in range(120):
             k = rng.randrange(1, 9)
             assert drafter.lookup("r", seq, k) == prompt_lookup(seq, k, min_n, max_n), (trial, seq, k)
+            longest = next((n for n in range(max_n, min_n - 1, -1) if prompt_lookup(seq, 1, n, n)), 0)
+            assert drafter.match_length("r", seq) == longest, (trial, seq)
             seq = seq + [rng.randrange(5)] * rng.choice([1, 1, 1, 3])  # one token, or a round's worth
     assert drafter.lookup("r", seq, 3) == prompt_lookup(seq, 3, min_n, max_n)
     swapped = seq[:-2] + [7, seq[-1]]  # as long as the indexed sequence, another token before the last

@@ -254,6 +254,37 @@ def test_a_shadow_scored_drafter_is_learned_from_rounds_it_did_not_run_and_resum
     assert control.shadow("ngram", [1], [1]) is None  # not scored: not in its shadowed set
 
 
+def test_prompt_lookup_is_judged_by_the_length_of_its_match():
+    """Lookup's acceptance is learned per match length (``DrafterRecord.matched``): after
+    rounds where four-token matches were accepted whole and one-token matches rejected at once,
+    a request runs lookup at k_max on a four-token match and the model drafter on a one-token
+    match. The control: the same rounds without their match lengths leave one estimate of
+    lookup (0.89), which takes both rounds."""
+    costs = StepCosts()
+    costs.observe_verify(1, 0.01)
+    prefill = RoundStats(0, "prefill", 0, 0, 0, 1, 0.0, 0.05)
+
+    def policy(lengths: bool) -> SpeculationPolicy:
+        record = DrafterRecord(trials={"draft": (0.5, 0.5)})
+        for i in range(20):
+            strong = i % 2 == 0
+            r = RoundStats(i + 1, "ngram", 8, 8, 8 if strong else 0, 0, 0.0, 0.0, full=strong,
+                           match=(4 if strong else 1) if lengths else 0)
+            record.observe(r, 0.1, 0.6, False, ran=False)
+        return SpeculationPolicy(modes=["ngram", "draft"], costs=costs, config=lambda: PolicyConfig(), record=record)
+
+    def matched(n):
+        return lambda mode: n if mode == "ngram" else None
+
+    learned = policy(True)
+    assert learned.record.acceptance("ngram", 4) > 0.9 > 0.1 > learned.record.acceptance("ngram", 1)
+    assert learned.decide([prefill], matched(4)) == ("ngram", PolicyConfig().k_max)
+    assert learned.decide([prefill], matched(1))[0] == "draft"
+    assert learned.decide([prefill], matched(2))[0] == "ngram"  # no round of that length yet: the overall estimate
+    control = policy(False)
+    assert control.decide([prefill], matched(4))[0] == control.decide([prefill], matched(1))[0] == "ngram"
+
+
 def test_shadow_scoring_counts_leading_matches_and_rejections_as_a_round_would():
     policy = SpeculationPolicy(modes=["ngram"], costs=StepCosts(), config=lambda: PolicyConfig(),
                                shadowed=frozenset({"ngram"}))
@@ -347,6 +378,7 @@ def test_engine_auto_learns_prompt_lookup_from_rounds_that_did_not_run_it(engine
     try:
         auto = engine.generate(ids, max_tokens=60, mode="auto")
         unit = engine.loop.record.acceptance("ngram")
+        lengths = {n for mode, n in engine.loop.record.matched if mode == "ngram"}
     finally:
         engine.loop.record = saved
     assert auto.token_ids == plain.token_ids
@@ -354,6 +386,8 @@ def test_engine_auto_learns_prompt_lookup_from_rounds_that_did_not_run_it(engine
     assert lookup and sum(r.accepted for r in lookup) >= 10, [(r.mode, r.k, r.accepted) for r in auto.rounds]
     assert auto.policy_summary["probes"] == 0  # resumed on the scores, not on a probe
     assert unit > 0.2
+    # each lookup round, run or scored, is learned at the length of the suffix it matched
+    assert all(1 <= r.match <= engine.speculation.ngram_max for r in lookup) and lengths and 0 not in lengths
 
 
 def test_seeded_sampling_is_reproducible_under_the_adaptive_policy(engines):
@@ -405,14 +439,14 @@ def test_a_lookup_without_a_match_gives_its_round_to_another_drafter_or_to_a_pla
 
     good = policy(0.5)
     assert good.decide([prefill])[0] == "ngram"
-    mode, k = good.decide([prefill], idle=lambda mode: mode == "ngram")
+    mode, k = good.decide([prefill], match=lambda mode: 0 if mode == "ngram" else None)
     assert (mode, k > 0) == ("draft", True)
     bad = policy(0.02)
-    assert bad.decide([prefill], idle=lambda mode: mode == "ngram")[1] == 0
+    assert bad.decide([prefill], match=lambda mode: 0 if mode == "ngram" else None)[1] == 0
     mode, k = bad.decide([prefill])
     assert (mode, k > 0) == ("ngram", True) and not bad.plain
     assert not any(e == "fallback" for _, e in bad.events + good.events)
-    # the control: one drafter only, nothing to hand the round to (idle is ignored: its rounds say)
+    # the control: one drafter only, nothing to hand the round to (no match is ignored: its rounds say)
     alone = SpeculationPolicy(modes=["ngram"], costs=costs, config=lambda: PolicyConfig(),
                               record=DrafterRecord(trials={"ngram": (0.9, 0.1)}))
-    assert alone.decide([prefill], idle=lambda mode: mode == "ngram")[1] > 0
+    assert alone.decide([prefill], match=lambda mode: 0 if mode == "ngram" else None)[1] > 0

@@ -65,13 +65,17 @@ class LookupIndex:
 
     def lookup(self, context: list[int], k: int) -> list[int]:
         """Up to ``k`` tokens that followed the latest earlier occurrence of the context's suffix."""
+        return self.match(context, k)[1]
+
+    def match(self, context: list[int], k: int) -> tuple[int, list[int]]:
+        """``lookup``, and the length of the suffix it matched (0: none, nothing proposed)."""
         self._extend(context)
         n_ctx = len(context)
         for n in range(min(self.max_ngram, n_ctx - 1), self.min_ngram - 1, -1):
             start = self._ends[n].get(tuple(context[n_ctx - n :]))
             if start is not None:
-                return context[start : start + k]
-        return []
+                return n, context[start : start + k]
+        return 0, []
 
 
 class NgramDrafter:
@@ -88,20 +92,25 @@ class NgramDrafter:
 
     def lookup(self, key: str, context: list[int], k: int) -> list[int]:
         """What a round of ``k`` drafts would propose for row ``key`` at ``context``."""
+        return self.match(key, context, k)[1]
+
+    def match(self, key: str, context: list[int], k: int) -> tuple[int, list[int]]:
+        """``lookup``, and the length of the suffix it matched (0: none)."""
         index = self._index.get(key)
         if index is None:
             index = self._index[key] = LookupIndex(self.min_ngram, self.max_ngram)
-        return index.lookup(context, k)
+        return index.match(context, k)
 
     def propose(self, rows: list[DraftRow]) -> Drafted:
         t0 = time.perf_counter()
         proposals = [Proposal(self.lookup(r.key, r.context, r.k)) if r.k else EMPTY_PROPOSAL for r in rows]
         return Drafted(proposals, time.perf_counter() - t0, 1)
 
-    def has_match(self, key: str, context: list[int]) -> bool:
-        """Whether a round would propose anything for ``context`` (the policy asks before it
-        picks a drafter: prompt lookup costs nothing to ask)."""
-        return bool(self.lookup(key, context, 1))
+    def match_length(self, key: str, context: list[int]) -> int:
+        """How long a suffix of ``context`` a round would match (0: it would propose nothing).
+        The policy asks before it picks a drafter (prompt lookup costs nothing to ask): the
+        longer the match, the likelier its proposal is the target's text."""
+        return self.match(key, context, 1)[0]
 
     def release(self, key: str) -> None:
         self._index.pop(key, None)

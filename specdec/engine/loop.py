@@ -645,7 +645,7 @@ class StepLoop:
         if kill_switch or len(live.rounds) < live.draft_retry_at:
             policy.observe(live.rounds)  # keep its estimates current
             return Candidate(0.0, 0, "off", fixed=True)
-        mode, k = policy.decide(live.rounds, self._idle(live))
+        mode, k = policy.decide(live.rounds, self._match(live))
         k = draft_budget(min(k, cfg.k_max), live.req.max_tokens - len(live.out))
         seeded = live.req.params.seed is not None and not live.req.params.greedy
         a = policy.estimate(mode, cfg)
@@ -657,14 +657,14 @@ class StepLoop:
         nodes = policy.tree_size(mode, cfg) if DRAFTERS[mode].trees else 0
         return Candidate(a, k, mode, fixed=seeded or not policy.adaptive, nodes=nodes)
 
-    def _idle(self, live: _Live) -> Callable[[str], bool] | None:
-        """Whether a drafter of ``live``'s policy would propose nothing this round: prompt
-        lookup without a match (asked only when the policy would pick it: a search of the
-        context)."""
+    def _match(self, live: _Live) -> Callable[[str], int | None] | None:
+        """How long a suffix of ``live``'s context prompt lookup matches this round (0: it
+        would propose nothing; None for the other drafters): the policy's estimate of it is
+        the one for that length."""
         lookup = self.loop_drafters.get("ngram")
         if lookup is None:
             return None
-        return lambda mode: mode == "ngram" and not lookup.has_match(live.key, live.ids)
+        return lambda mode: lookup.match_length(live.key, live.ids) if mode == "ngram" else None
 
     def _shadow(self, live: _Live, row: Row, emitted: list[int]) -> None:
         """Score the free drafters ``live``'s policy may choose but this round did not run on
@@ -673,8 +673,8 @@ class StepLoop:
         taught the record, and one in plain fallback resumes as soon as it does."""
         policy = live.policy
         for mode in (policy.shadowed & set(policy.modes)) - {row.mode}:
-            proposed = self.loop_drafters[mode].lookup(live.key, row.context, policy.config().k_max)
-            stats = policy.shadow(mode, proposed, emitted)
+            match, proposed = self.loop_drafters[mode].match(live.key, row.context, policy.config().k_max)
+            stats = policy.shadow(mode, proposed, emitted, match)
             if stats is not None:
                 with self._record_lock:
                     self.record.observe(stats, UNIT_EWMA, self.policy_config().prior_acceptance, False, ran=False)
@@ -784,10 +784,12 @@ class StepLoop:
         if live.policy is not None:  # the decisions taken for this round
             events = tuple(what for _, what in live.policy.events[live.events_sent:])
             live.events_sent = len(live.policy.events)
+        lookup = index and row.mode in SHADOWED  # the suffix it matched: at the round's context, as it drafted
         stats = RoundStats(
             index=index, mode="prefill" if index == 0 else row.mode, k=row.k, drafted=verdict.num_drafted,
             accepted=verdict.num_accepted, emitted=len(tokens), draft_s=draft_s, verify_s=verify_s,
             started_at=started_at, draft_error=draft_error, events=events, confidence=confidence, full=full,
+            match=self.loop_drafters[row.mode].match_length(live.key, row.context) if lookup else 0,
         )
         live.rounds.append(stats)
         # A tree of a request with an explicit k fills its budget: it says nothing of the size,

@@ -129,6 +129,8 @@ def round_attributes(stats: RoundStats) -> dict[str, Any]:
     }
     if getattr(stats, "draft_error", None):  # the drafter failed: the round ran plainly
         attrs["specdec.draft_error"] = stats.draft_error
+    if getattr(stats, "match", 0):  # prompt lookup: the length of the suffix it matched
+        attrs["specdec.lookup_match"] = stats.match
     return attrs
 
 
