@@ -251,11 +251,13 @@ def autoscaled(llama_pair):
     config["applications"].append(backpressure_app(config["applications"][0]))
     assert lint_config(config) == []
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-    serve.context._get_global_client().deploy_apps(ServeDeploySchema.model_validate(config), _blocking=True)
-    yield
-    serve.shutdown()
-    ray.shutdown()
+    try:  # a failed setup must not leave this Ray running for the modules after it
+        serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+        serve.context._get_global_client().deploy_apps(ServeDeploySchema.model_validate(config), _blocking=True)
+        yield
+    finally:
+        serve.shutdown()
+        ray.shutdown()
 
 
 def running_units() -> int:

@@ -16,10 +16,12 @@ def cluster():
         c.add_node(num_cpus=2, num_gpus=1)
     c.wait_for_nodes()
     ray.init(address=c.address, log_to_driver=False)
-    yield c
-    serve.shutdown()
-    ray.shutdown()
-    c.shutdown()
+    try:  # a failed setup must not leave this Ray running for the modules after it
+        yield c
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        c.shutdown()
 
 
 def test_each_unit_packs_router_target_and_draft_on_one_gpu_node(cluster, llama_pair):

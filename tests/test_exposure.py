@@ -46,28 +46,31 @@ def server(llama_pair, gpt2_pair, tmp_path_factory):
     env.setenv("SPECDEC_HOME", str(tmp_path_factory.mktemp("specdec_home")))
     env.setenv(CALLBACK_ENV, CALLBACK)  # the proxy (started by serve.start below) inherits it
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": PORT, "request_timeout_s": 120},
-                logging_config={"enable_access_log": False})  # 10,000 access-log lines cost seconds
-    # vLLM's names for the speculation settings, an alias, the tokenizer named apart, a context cap.
-    models = {"served_model_name": [MODEL, "tiny-alias"], "tokenizer": str(llama_pair["target"]),
-              "max_model_len": 256}
-    speculation = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
-    # A small unit for overload: 2 running + 4 queued; then 429 with Retry-After.
-    small = _args(llama_pair, max_concurrent_requests=2, max_num_seqs=2)
-    # Two models in one application: one unit each, routed by the request's model.
-    gpt2_unit = {"models": {"target": str(gpt2_pair["target"]), "dtype": "float32", "served_model_name": "tiny-gpt2"},
-                 "colocation": "in_process"}
-    serve.run_many([  # started side by side (a replica dying mid-request: tests/test_operations.py)
-        serve.RunTarget(bind_app(_args(llama_pair, models=models, speculation=speculation)), "open", "/open"),
-        serve.RunTarget(bind_app(small, max_queued_requests=4,
-                           backpressure_config=BackpressureConfig(status_code=429, retry_after_s=2)),
-                  "small", "/small"),
-        serve.RunTarget(bind_app(_args(llama_pair, units=[gpt2_unit])), "multi", "/multi"),
-    ])
-    yield {"llama": llama_pair, "gpt2": gpt2_pair}
-    serve.shutdown()
-    ray.shutdown()
-    env.undo()
+    try:  # a failed setup must not leave this Ray running for the modules after it
+        serve.start(http_options={"host": "127.0.0.1", "port": PORT, "request_timeout_s": 120},
+                    logging_config={"enable_access_log": False})  # 10,000 access-log lines cost seconds
+        # vLLM's names for the speculation settings, an alias, the tokenizer named apart, a context cap.
+        models = {"served_model_name": [MODEL, "tiny-alias"], "tokenizer": str(llama_pair["target"]),
+                  "max_model_len": 256}
+        speculation = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+        # A small unit for overload: 2 running + 4 queued; then 429 with Retry-After.
+        small = _args(llama_pair, max_concurrent_requests=2, max_num_seqs=2)
+        # Two models in one application: one unit each, routed by the request's model.
+        gpt2_unit = {"models": {"target": str(gpt2_pair["target"]), "dtype": "float32",
+                                "served_model_name": "tiny-gpt2"},
+                     "colocation": "in_process"}
+        serve.run_many([  # started side by side (a replica dying mid-request: tests/test_operations.py)
+            serve.RunTarget(bind_app(_args(llama_pair, models=models, speculation=speculation)), "open", "/open"),
+            serve.RunTarget(bind_app(small, max_queued_requests=4,
+                               backpressure_config=BackpressureConfig(status_code=429, retry_after_s=2)),
+                      "small", "/small"),
+            serve.RunTarget(bind_app(_args(llama_pair, units=[gpt2_unit])), "multi", "/multi"),
+        ])
+        yield {"llama": llama_pair, "gpt2": gpt2_pair}
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        env.undo()
 
 
 def router(app: str):

@@ -41,33 +41,35 @@ def server(llama_pair, tmp_path_factory):
     target = load_model(str(llama_pair["target"]))
     save_eagle_head(init_eagle_head(target, torch.arange(target.config.vocab_size), EagleTrainConfig()), eagle)
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-    apps = []
-    for mode in MODES:
-        args = {
-            "models": {
-                "target": str(llama_pair["target"]),
-                "draft": str(llama_pair["draft"]),
-                "dtype": "float32",
-                "served_model_name": MODEL,
-                "early_exit_layer": 2,  # a raw exit after 2 of the target's 4 layers
-                "eagle_head": str(eagle),  # drafts in the TargetWorker in actors mode
-            },
-            "colocation": mode,
-            "resources": {"target_cpus": 0.5, "draft_cpus": 0.25},
-            "draft_timeout_s": 3.0,
-        }
-        apps.append(serve.RunTarget(build_app(args), mode, f"/{mode}"))
-    secured = {"models": {"target": str(llama_pair["target"]), "dtype": "float32", "served_model_name": MODEL},
-               "colocation": "in_process", "api_keys": KEYS, "stream_interval": 4}
-    apps.append(serve.RunTarget(build_app(secured), "secured", "/secured"))
-    in_unit = {**args, "colocation": "in_process", "ingress": "in_unit"}
-    apps.append(serve.RunTarget(bind_app(in_unit, user_config=IN_UNIT_FLAGS), "in_unit", "/in_unit"))
-    serve.run_many(apps)  # started side by side
-    yield {**llama_pair, "traces": home / "traces"}
-    serve.shutdown()
-    ray.shutdown()
-    env.undo()
+    try:  # a failed setup must not leave this Ray running for the modules after it
+        serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+        apps = []
+        for mode in MODES:
+            args = {
+                "models": {
+                    "target": str(llama_pair["target"]),
+                    "draft": str(llama_pair["draft"]),
+                    "dtype": "float32",
+                    "served_model_name": MODEL,
+                    "early_exit_layer": 2,  # a raw exit after 2 of the target's 4 layers
+                    "eagle_head": str(eagle),  # drafts in the TargetWorker in actors mode
+                },
+                "colocation": mode,
+                "resources": {"target_cpus": 0.5, "draft_cpus": 0.25},
+                "draft_timeout_s": 3.0,
+            }
+            apps.append(serve.RunTarget(build_app(args), mode, f"/{mode}"))
+        secured = {"models": {"target": str(llama_pair["target"]), "dtype": "float32", "served_model_name": MODEL},
+                   "colocation": "in_process", "api_keys": KEYS, "stream_interval": 4}
+        apps.append(serve.RunTarget(build_app(secured), "secured", "/secured"))
+        in_unit = {**args, "colocation": "in_process", "ingress": "in_unit"}
+        apps.append(serve.RunTarget(bind_app(in_unit, user_config=IN_UNIT_FLAGS), "in_unit", "/in_unit"))
+        serve.run_many(apps)  # started side by side
+        yield {**llama_pair, "traces": home / "traces"}
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        env.undo()
 
 
 @pytest.fixture(scope="module")

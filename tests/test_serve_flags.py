@@ -14,10 +14,12 @@ PORT = 8125
 @pytest.fixture(scope="module")
 def client():
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-    yield serve.context._get_global_client()
-    serve.shutdown()
-    ray.shutdown()
+    try:  # a failed setup must not leave this Ray running for the modules after it
+        serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+        yield serve.context._get_global_client()
+    finally:
+        serve.shutdown()
+        ray.shutdown()
 
 
 def deploy(client, config: dict) -> None:

@@ -26,14 +26,16 @@ def served(llama_pair, tmp_path_factory):
     for k, v in env.items():
         patch.setenv(k, v)
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-    args = {"models": {"target": str(llama_pair["target"]), "dtype": "float32", "served_model_name": "tiny"},
-            "colocation": "in_process", "resources": {"target_cpus": 0.25}}
-    serve.run(bind_app(args), name="traced", route_prefix="/")
-    yield home / "traces"
-    serve.shutdown()
-    ray.shutdown()
-    patch.undo()
+    try:  # a failed setup must not leave this Ray running for the modules after it
+        serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+        args = {"models": {"target": str(llama_pair["target"]), "dtype": "float32", "served_model_name": "tiny"},
+                "colocation": "in_process", "resources": {"target_cpus": 0.25}}
+        serve.run(bind_app(args), name="traced", route_prefix="/")
+        yield home / "traces"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        patch.undo()
 
 
 def test_request_span_is_a_child_of_serves_span(served):
