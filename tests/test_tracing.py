@@ -28,7 +28,7 @@ from opentelemetry.trace import SpanKind
 from specdec import telemetry
 from specdec.cli import main as cli_main
 from specdec.stats import RoundStats
-from specdec.tracing.format import JsonLinesSpanExporter, Retention
+from specdec.tracing.format import JsonLinesSpanExporter, Retention, round_attributes
 from specdec.tracing.otlp import span_dicts
 from specdec.tracing.reader import SpanRecord, find_trace, load_traces, span_files
 from specdec.tracing.view import render_html
@@ -191,6 +191,15 @@ def test_span_tree_timings_and_events(tracing):
     assert a["specdec.accepted"] == sum(s.accepted for s in decode_rounds)
     assert a["specdec.drafted"] == sum(s.drafted for s in decode_rounds)
     assert a["specdec.ttft_ms"] == pytest.approx((rounds[0].end_time - request.start_time) / 1e6)
+
+
+def test_a_lookup_round_span_names_the_length_of_the_suffix_it_matched():
+    """Prompt lookup's rounds carry ``specdec.lookup_match`` (what the policy judged them by);
+    a round of another drafter, or one that matched nothing, carries none."""
+    lookup = RoundStats(3, "ngram", 8, 8, 5, 6, 0.0, 0.01, match=4)
+    assert round_attributes(lookup)["specdec.lookup_match"] == 4
+    assert "specdec.lookup_match" not in round_attributes(RoundStats(3, "eagle", 4, 4, 1, 2, 0.002, 0.01))
+    assert "specdec.lookup_match" not in round_attributes(RoundStats(3, "ngram", 0, 0, 0, 1, 0.0, 0.01))
 
 
 def test_every_policy_event_kind_with_its_mode(tracing):
