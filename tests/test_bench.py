@@ -6,6 +6,7 @@ import io
 import json
 import logging
 import shutil
+import statistics
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -119,6 +120,7 @@ class FakeServer(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.0"
     FIRST_DELAY_S = 0.05
     bodies: list = []
+    drops = 0  # the next this many POSTs get no response: the connection closes unanswered
 
     def log_message(self, *args):
         pass
@@ -140,6 +142,9 @@ class FakeServer(BaseHTTPRequestHandler):
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         FakeServer.bodies.append(body)
+        if FakeServer.drops > 0:
+            FakeServer.drops -= 1
+            return
         if self.path == "/v1/chat/completions":
             self._send(200, {"choices": [{"index": 0, "message": {"role": "assistant", "content": "one two three four"},
                                           "token_ids": [11, 12, 13, 14], "finish_reason": "length"}]})
@@ -180,7 +185,7 @@ class FakeServer(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def fake_url():
-    FakeServer.bodies = []
+    FakeServer.bodies, FakeServer.drops = [], 0
     server = ThreadingHTTPServer(("127.0.0.1", 0), FakeServer)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -268,6 +273,62 @@ def test_the_sweep_pairs_alternating_turns_and_reports_their_ratio_range():
     assert f"{auto['vs_off']:.2f} ({ratios[0]:.2f}-{ratios[2]:.2f})" in table(rows, "in process")
     single = sweep(make_sender, ["off", "auto"], [2], 1, ["p"])
     assert "vs_off" not in single[1] and "turns_tokens_per_s" not in single[1]
+
+
+def test_a_peer_server_runs_in_the_same_alternating_turns_and_every_row_carries_its_paired_ratio():
+    """--peer: the peer is one more mode of every turn (off, auto, peer; then peer, auto, off),
+    and each of our rows carries the median of its turns' ratios to the peer's turn beside it."""
+    from specdec.bench.sweep import Sample, sweep, table
+
+    calls, speed = [], {"off": 10, "auto": 12, "llama.cpp": 20}
+
+    def make_sender(mode):
+        def send(prompt):
+            calls.append(mode)
+            turn = sum(1 for m in calls if m == mode)  # the machine slows down turn by turn: all alike
+            time.sleep(0.002 * turn)
+            return Sample(speed[mode], 0.0005, 0.001)
+        return send
+
+    rows = sweep(make_sender, ["off", "auto", "llama.cpp"], [1], 1, ["p"], repeats=2, peer="llama.cpp")
+    assert calls == ["off", "auto", "llama.cpp", "llama.cpp", "auto", "off"]
+    off, auto, peer = rows
+    assert "vs_peer" not in peer and "vs_off" not in peer and auto["vs_off"] > 1
+    for row in (off, auto):
+        ratios = sorted(a / b for a, b in zip(row["turns_tokens_per_s"], peer["turns_tokens_per_s"]))
+        assert row["vs_peer"] == statistics.median(ratios) and row["vs_peer_range"] == [ratios[0], ratios[-1]]
+    assert off["vs_peer"] < auto["vs_peer"] < 1
+    text = table(rows, "HTTP")
+    assert "| vs peer |" in text and f"| {auto['vs_peer']:.2f} (" in text and "| llama.cpp | 1 |" in text
+    assert "vs_peer" in sweep(make_sender, ["off", "llama.cpp"], [1], 1, ["p"], peer="llama.cpp")[0]
+
+
+def test_the_sweep_command_sweeps_a_peer_over_http_and_resends_a_request_dropped_unanswered(fake_url, capsys):
+    """``specdec sweep --url ... --peer ...``: the peer gets our requests' bodies in its own
+    turns; a request the server closed unanswered is sent once more (a second drop is an error)."""
+    import argparse
+
+    import httpx
+
+    from specdec.bench.sweep import add_arguments, http_sender, run_from_args
+
+    FakeServer.drops = 1
+    send = http_sender(fake_url, "fake-model", "off", 4, chat=False)
+    assert send("hello").tokens == 4 and len(FakeServer.bodies) == 2  # dropped, then answered
+    FakeServer.drops = 2
+    with pytest.raises(httpx.RemoteProtocolError):
+        send("hello")
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    FakeServer.bodies = []
+    args = p.parse_args(["--url", fake_url, "--peer", fake_url, "--peer-name", "llama.cpp", "--modes", "off,auto",
+                         "--concurrency", "1", "--requests", "1", "--repeats", "2", "--max-tokens", "4"])
+    assert run_from_args(args) == 0
+    assert [b["speculation"]["mode"] for b in FakeServer.bodies] == ["off", "auto", "off", "off", "auto", "off"]
+    out = capsys.readouterr().out
+    assert "| llama.cpp | 1 |" in out and "| vs peer |" in out
+    with pytest.raises(SystemExit, match="--http"):
+        run_from_args(p.parse_args(["--peer", fake_url]))
 
 
 def test_process_names_are_ray_actors_or_executables():

@@ -19,6 +19,14 @@ the client and in process also the engine, is ``client``). Through HTTP on a sma
 the point: the model's threads share the cores with the Ingress, the proxy and Ray's own
 processes, and every millisecond those take stalls a parallel region of the step.
 
+``--peer URL`` sweeps another OpenAI-style server (llama.cpp's, say) through HTTP in the same
+turns as our modes, each level's turns alternating between them, so that the machine's drift
+(on a 2-core AMD EPYC with AVX-512 BF16, the demo target's 4-row plain step took 33-41 ms
+in most turns of one run and 61 ms in another) hits both alike: its row is named ``--peer-name``, and each of our rows
+carries ``vs_peer``, the median of its turns' ratios to the peer's turn beside it.
+
+    specdec sweep --http --peer http://127.0.0.1:8080 --peer-name llama.cpp --repeats 4
+
 Each row is printed to stdout as JSON when its level ends; the phases (load, warm-up, the
 requests of every level and mode) show on stderr on a terminal or with ``--progress``.
 """
@@ -135,11 +143,24 @@ def in_process_sender(engine, mode: str, max_tokens: int, chat: bool):
 
 
 def http_sender(url: str, model: str, mode: str, max_tokens: int, chat: bool):
+    """A greedy streamed request to ``url`` (``ignore_eos``, ``speculation.mode`` as ours reads
+    them). A request the server dropped before answering (a keep-alive connection it closed
+    while the sender was idle: llama.cpp's server between turns) is sent once more, on a new
+    connection: nothing had been generated for it, and a lost request would leave the turn's
+    stream a request short."""
     import httpx
 
     client = httpx.Client(base_url=url, timeout=600)
 
     def send(prompt: str) -> Sample:
+        try:
+            return attempt(prompt)
+        except (httpx.RemoteProtocolError, httpx.ConnectError) as exc:
+            if getattr(exc, "answered", False):
+                raise
+            return attempt(prompt)
+
+    def attempt(prompt: str) -> Sample:
         body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": True,
                 "stream_options": {"include_usage": True}, "ignore_eos": True, "speculation": {"mode": mode}}
         path = "/v1/chat/completions" if chat else "/v1/completions"
@@ -148,21 +169,25 @@ def http_sender(url: str, model: str, mode: str, max_tokens: int, chat: bool):
         ttft, tokens = None, 0
         with client.stream("POST", path, json=body) as r:
             r.raise_for_status()
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[len("data: "):])
-                if ttft is None and chunk["choices"] and chunk["choices"][0].get("finish_reason") is None:
-                    ttft = time.perf_counter() - t0
-                if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
+            try:
+                for line in r.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[len("data: "):])
+                    if ttft is None and chunk["choices"] and chunk["choices"][0].get("finish_reason") is None:
+                        ttft = time.perf_counter() - t0
+                    if chunk.get("usage"):
+                        tokens = chunk["usage"]["completion_tokens"]
+            except (httpx.RemoteProtocolError, httpx.ConnectError) as exc:
+                exc.answered = True  # cut mid-answer: not sent again
+                raise
         total = time.perf_counter() - t0
         return Sample(tokens, ttft if ttft is not None else total, total)
     return send
 
 
 def sweep(make_sender, modes: list[str], levels: list[int], requests: int, prompts: list[str],
-          phase: Phase = SILENT, repeats: int = 1, meter=None) -> list[dict]:
+          phase: Phase = SILENT, repeats: int = 1, meter=None, peer: str | None = None) -> list[dict]:
     """One row per (level, mode), printed as JSON as its level ends; ``phase`` counts the
     requests (``requests_total``).
 
@@ -171,6 +196,8 @@ def sweep(make_sender, modes: list[str], levels: list[int], requests: int, promp
     figures are the medians over its turns. With several turns, a row other than ``off`` also
     carries ``vs_off``: the median of its turns' ratios to ``off``'s turn beside it, and
     ``vs_off_range``, their smallest and largest (how far one run could have misled).
+    ``peer``: the mode among ``modes`` that is another server (``--peer``); every other row
+    carries ``vs_peer`` and ``vs_peer_range`` the same way (with one turn, the one ratio).
     """
     rows = []
     for level in levels:
@@ -181,13 +208,20 @@ def sweep(make_sender, modes: list[str], levels: list[int], requests: int, promp
                 turns[mode].append(run_level(phase.counting(make_sender(mode)), level, requests, prompts, meter))
         for mode in modes:
             row = {"mode": mode, **_medians(turns[mode])}
-            if repeats > 1 and "off" in turns and mode != "off":
-                ratios = sorted(a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(turns[mode], turns["off"]))
-                row["vs_off"] = statistics.median(ratios)
-                row["vs_off_range"] = [ratios[0], ratios[-1]]
+            if repeats > 1 and "off" in turns and mode not in ("off", peer):
+                row["vs_off"], row["vs_off_range"] = _paired(turns[mode], turns["off"])
+            if peer in turns and mode != peer:
+                row["vs_peer"], row["vs_peer_range"] = _paired(turns[mode], turns[peer])
             rows.append(row)
             phase.print_stdout(json.dumps(row))
     return rows
+
+
+def _paired(turns: list[dict], others: list[dict]) -> tuple[float, list[float]]:
+    """The median of the ratios of ``turns``' tokens/s to those of the turns beside them, and
+    the smallest and largest ratio."""
+    ratios = sorted(a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(turns, others))
+    return statistics.median(ratios), [ratios[0], ratios[-1]]
 
 
 def _medians(turns: list[dict]) -> dict:
@@ -219,25 +253,31 @@ def _warm_up(make_sender, modes: list[str], prompt: str, phase: Phase) -> None:
 
 
 def _section(progress: Progress, where: str, make_sender, modes: list[str], levels: list[int], requests: int,
-             prompts: list[str], warm_up: bool = True, repeats: int = 1, meter=None) -> list[dict]:
+             prompts: list[str], warm_up: bool = True, repeats: int = 1, meter=None,
+             peer: str | None = None) -> list[dict]:
     """Warm every mode up once (``warm_up``), then sweep: two phases."""
     if warm_up:
         with progress.phase(f"{where}: warm-up", len(modes)) as phase:
             _warm_up(make_sender, modes, prompts[0], phase)
     with progress.phase(where, requests_total(modes, levels, requests, repeats)) as phase:
-        return sweep(make_sender, modes, levels, requests, prompts, phase, repeats, meter)
+        return sweep(make_sender, modes, levels, requests, prompts, phase, repeats, meter, peer)
 
 
 def table(rows: list[dict], where: str) -> str:
     cpu = any("cpu_ms_per_token" in r for r in rows)
-    lines = [f"| {where} | c | tok/s | vs off | TPOT p50 / p95 ms | TTFT p50 / p95 ms |"
-             + " CPU ms per token (the 4 largest) |" * cpu, "|---|---|---|---|---|---|" + "---|" * cpu]
+    peer = any("vs_peer" in r for r in rows)
+    lines = [f"| {where} | c | tok/s | vs off |" + " vs peer |" * peer + " TPOT p50 / p95 ms | TTFT p50 / p95 ms |"
+             + " CPU ms per token (the 4 largest) |" * cpu, "|---|---|---|---|---|---|" + "---|" * (cpu + peer)]
     off = {r["concurrency"]: r["tokens_per_s"] for r in rows if r["mode"] == "off"}
     for r in rows:
         ratio = r["tokens_per_s"] / off[r["concurrency"]] if off.get(r["concurrency"]) else float("nan")
         vs_off = f"{ratio:.2f}"
         if "vs_off" in r:  # paired turns: the median ratio and its range
             vs_off = f"{r['vs_off']:.2f} ({r['vs_off_range'][0]:.2f}-{r['vs_off_range'][1]:.2f})"
+        if peer:
+            low, high = r.get("vs_peer_range") or (None, None)
+            vs_off += " | -" if "vs_peer" not in r else f" | {r['vs_peer']:.2f}" + (
+                f" ({low:.2f}-{high:.2f})" if low != high else "")
         line = (f"| {r['mode']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | {vs_off} | "
                 f"{r['tpot_ms_p50']:.1f} / {r['tpot_ms_p95']:.1f} | {r['ttft_ms_p50']:.0f} / {r['ttft_ms_p95']:.0f} |")
         if cpu:
@@ -281,6 +321,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the local Serve's stream_interval (with --http): tokens per streamed chunk "
                         "(serve_config.yaml's 4; 1: a chunk per round)")
     p.add_argument("--model", default="SmolLM2-135M-Instruct", help="served model name (with --url)")
+    p.add_argument("--peer", help="another OpenAI-style server (e.g. llama.cpp's) swept through HTTP in the same "
+                                  "turns as our modes, alternating with them; our rows carry the paired ratio to it")
+    p.add_argument("--peer-name", default="peer", help="the peer's row in the tables (with --peer)")
     p.add_argument("--target", help="target model (default: the demo pair)")
     p.add_argument("--draft", help="draft model (default: the demo pair)")
     p.add_argument("--dtype", default="auto",
@@ -320,10 +363,23 @@ def run(args, progress: Progress = QUIET) -> dict:
     prompts = WORKLOAD_PROMPTS[args.workload]
     chat = args.workload == "chat"
     sections: dict[str, list[dict]] = {}
+    peer = args.peer
+    if peer and not (args.url or args.http):
+        raise SystemExit("--peer is swept through HTTP: add --http (a local Serve) or --url")
+    if peer and args.peer_name in modes:
+        raise SystemExit(f"--peer-name {args.peer_name!r} is one of --modes")
+
+    def over_http(url: str, model: str, warm_up: bool) -> list[dict]:
+        def sender(mode: str):
+            if peer and mode == args.peer_name:
+                return http_sender(peer, args.model, "off", args.max_tokens, chat)
+            return http_sender(url, model, mode, args.max_tokens, chat)
+        return _section(progress, "HTTP", sender, modes + [args.peer_name] * bool(peer), levels, args.requests,
+                        prompts, warm_up=warm_up, repeats=args.repeats, meter=cpu_by_process,
+                        peer=args.peer_name if peer else None)
+
     if args.url:
-        http = lambda m: http_sender(args.url, args.model, m, args.max_tokens, chat)  # noqa: E731
-        sections["HTTP"] = _section(progress, "HTTP", http, modes, levels, args.requests, prompts, warm_up=False,
-                                    repeats=args.repeats, meter=cpu_by_process)
+        sections["HTTP"] = over_http(args.url, args.model, warm_up=False)
         return sections
     import torch
 
@@ -353,10 +409,7 @@ def run(args, progress: Progress = QUIET) -> dict:
                                   ingress=args.ingress, stream_interval=args.stream_interval)
             phase.advance()
         try:
-            url = f"http://127.0.0.1:{args.port}"
-            http = lambda m: http_sender(url, "sweep", m, args.max_tokens, chat)  # noqa: E731
-            sections["HTTP"] = _section(progress, "HTTP", http, modes, levels, args.requests, prompts,
-                                        repeats=args.repeats, meter=cpu_by_process)
+            sections["HTTP"] = over_http(f"http://127.0.0.1:{args.port}", "sweep", warm_up=True)
         finally:
             stop()
     return sections
