@@ -318,13 +318,28 @@ def test_the_sweep_command_sweeps_a_peer_over_http_and_resends_a_request_dropped
     FakeServer.drops = 2
     with pytest.raises(httpx.RemoteProtocolError):
         send("hello")
+    peer_at = []  # where in FakeServer.bodies the peer's requests fell
+
+    class Peer(FakeServer):
+        def do_POST(self):
+            peer_at.append(len(FakeServer.bodies))
+            super().do_POST()
+
+    peer = ThreadingHTTPServer(("127.0.0.1", 0), Peer)
+    threading.Thread(target=peer.serve_forever, daemon=True).start()
     p = argparse.ArgumentParser()
     add_arguments(p)
     FakeServer.bodies = []
-    args = p.parse_args(["--url", fake_url, "--peer", fake_url, "--peer-name", "llama.cpp", "--modes", "off,auto",
+    args = p.parse_args(["--url", fake_url, "--peer", f"http://127.0.0.1:{peer.server_address[1]}",
+                         "--peer-name", "llama.cpp", "--modes", "off,auto",
                          "--concurrency", "1", "--requests", "1", "--repeats", "2", "--max-tokens", "4"])
-    assert run_from_args(args) == 0
+    try:
+        assert run_from_args(args) == 0
+    finally:
+        peer.shutdown()
+        peer.server_close()
     assert [b["speculation"]["mode"] for b in FakeServer.bodies] == ["off", "auto", "off", "off", "auto", "off"]
+    assert peer_at == [2, 3]  # turn 1: off, auto, peer; turn 2: peer, auto, off
     out = capsys.readouterr().out
     assert "| llama.cpp | 1 |" in out and "| vs peer |" in out
     with pytest.raises(SystemExit, match="--http"):
