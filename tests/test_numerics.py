@@ -89,6 +89,16 @@ def test_a_tokens_logits_are_the_same_in_any_row_and_batch(target):
         assert torch.equal(logits, got["plain"]), name
 
 
+def _attention_calls(monkeypatch) -> tuple[list, list]:
+    """The SDPA calls the ragged attention makes (their query shapes), and the steps it binds."""
+    calls, steps = [], []
+    sdpa, bind = attention.F.scaled_dot_product_attention, attention.bind
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention",
+                        lambda q, *a, **kw: calls.append(tuple(q.shape)) or sdpa(q, *a, **kw))
+    monkeypatch.setattr(attention, "bind", lambda *a, **kw: bind(*a, **kw) or steps.append(attention._BOUND.step))
+    return calls, steps
+
+
 @pytest.mark.parametrize("one_call", [True, False], ids=["one-call", "fallback"])
 def test_a_chain_across_key_slot_counts_gives_each_token_its_decode_logits(target, monkeypatch, one_call):
     """A verify pass of 11 queries whose key counts straddle a key-slot count (128: 124 to 134):
@@ -98,9 +108,7 @@ def test_a_chain_across_key_slot_counts_gives_each_token_its_decode_logits(targe
     plain decode step."""
     if not one_call:
         monkeypatch.setattr(attention, "chain_calls_agree", lambda *shape: False)
-    calls = []
-    real = attention._chain_attention
-    monkeypatch.setattr(attention, "_chain_attention", lambda c, *a: calls.append(c.tokens.numel()) or real(c, *a))
+    calls, steps = _attention_calls(monkeypatch)
     edge = attention.key_slots(1)  # the first key-slot count: 124 to 128 keys below it, 129 to 134 above
     assert attention.key_slots(edge + 1) > edge
     ids = torch.randint(1, target.config.vocab_size, (edge + 6,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -115,10 +123,55 @@ def test_a_chain_across_key_slot_counts_gives_each_token_its_decode_logits(targe
     r = runner()
     calls.clear()  # the prompt's own chains (``attention.prompt_chains``)
     chain = r.forward([BatchRow("s", ids, 11, blocks)])[0]  # after ids[start], ..., ids[-1]
-    assert sorted(set(calls)) == [5, 6] and len(calls) == 2 * target.config.num_hidden_layers
+    assert sorted(c.tokens.numel() for c in steps[-1].chains) == [5, 6]
+    assert len(calls) == 2 * target.config.num_hidden_layers  # a call a chain (or its group) a layer
     r = runner()
     for i in range(start, len(ids)):
         assert torch.equal(r.forward([BatchRow("s", ids[: i + 1], 1, blocks)])[0][0], chain[i - start]), i
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_flat_attention_gives_the_bits_of_a_call_a_part(dtype, monkeypatch):
+    """``attention._FlatPlan``: a step's queries gathered straight into each call's layout and
+    its outputs put in place by one gather give, bit for bit, what the groups' and chains' own
+    gathers and calls give (``_Groups.attend``, ``_Chains.attend``, ``_chain_attention``), for
+    decode rows, draft chains (batched and alone) and token trees in one step, whichever way
+    the step's queries lie in memory."""
+    from specdec.batch.cache import FlatBatchCache, RowPlan
+
+    heads, kv_heads, dim = 9, 3, 64
+    cache = FlatBatchCache(1, kv_heads, dim, 160, dtype=dtype, device="cpu")
+    cache.invariant, cache.chain_prompts = True, True
+    cache.batch_chains = attention.batched_chains_agree(kv_heads, heads // kv_heads, dim, dtype, "cpu")
+    gen = torch.Generator().manual_seed(5)
+    for pool in (cache.keys[0], cache.values[0]):
+        pool.copy_(torch.randn(pool.shape, generator=gen))
+    tree, rows, block = (-1, -1, -1, 0, 0, 1, 3, 3, 6), [], 1
+    for i, n in enumerate((60, 250, 90, 130, 300, 41, 200, 127, 128)):  # lone chains, batched ones, trees
+        kind = i % 3
+        feed = (5, 1 + len(tree), 1)[kind]
+        rows.append(RowPlan(run_of(block, n + feed), n, feed, tree_at=n + 1 if kind == 1 else 0,
+                            parents=tree if kind == 1 else None))
+        block += blocks_for(n + feed) + 1
+    flat, steps = [], []
+    real = attention._flat_attention
+    monkeypatch.setattr(attention, "_flat_attention", lambda *a: flat.append(1) or real(*a))
+    for plans in (rows, rows[2::3], rows[:1], rows[1:2]):  # mixed; decode rows; a lone chain; a tree
+        positions, _ = cache.plan(plans)
+        total = positions.shape[1]
+        steps.append(attention._BOUND.step)
+        for query in (torch.randn(1, total, heads, dim, generator=gen).to(dtype).transpose(1, 2),  # token-major
+                      torch.randn(1, heads, total, dim, generator=gen).to(dtype)):  # head-major
+            flat.clear()
+            got, _ = attention.ragged_attention(None, query, cache.keys[0], cache.values[0], None, scaling=0.125)
+            assert flat and steps[-1].flat and all(p is not None for p in steps[-1].flat.values())
+            with monkeypatch.context() as m:
+                m.setattr(attention, "_flat_attention", lambda *a: None)  # a call a part, as before
+                want, _ = attention.ragged_attention(None, query, cache.keys[0], cache.values[0], None, scaling=0.125)
+            assert torch.equal(got, want)
+        cache.unbind()
+    parts = ("groups", "chains", "batches") if cache.batch_chains else ("groups", "chains")
+    assert all(any(getattr(step, part) for step in steps) for part in parts)  # each kind of call was compared
 
 
 def _decoded(model, ctx: list[int], path: list[int]) -> list[torch.Tensor]:
@@ -134,10 +187,7 @@ def test_the_steps_chains_and_trees_share_a_call_and_give_each_token_its_decode_
     queries attend in ONE call a layer (``attention._Chains``: the chains, and the tree as one
     chain a path), and every query's logits equal, bit for bit, those of a plain decode step of
     its own context and path."""
-    calls = []
-    real = attention._Chains.attend
-    monkeypatch.setattr(attention._Chains, "attend",
-                        lambda self, *a: calls.append(self.tokens.numel()) or real(self, *a))
+    calls, steps = _attention_calls(monkeypatch)
     gen = torch.Generator().manual_seed(3)
     vocab = target.config.vocab_size
     ctxs = [torch.randint(1, vocab, (n,), generator=gen).tolist() for n in (60, 41, 75)]
@@ -154,7 +204,8 @@ def test_the_steps_chains_and_trees_share_a_call_and_give_each_token_its_decode_
                          BatchRow("r2", ctxs[2] + chain[:2], 3, blocks(2))])
     assert r.cache.batch_chains == attention.batched_chains_agree(3, 3, 64, target.dtype, "cpu")
     if r.cache.batch_chains:  # 5 + 3 chained queries and the tree's 8: one call a layer
-        assert calls == [5 + 3 + 8] * target.config.num_hidden_layers
+        assert [b.tokens.numel() for b in steps[-1].batches] == [5 + 3 + 8] and not steps[-1].groups
+        assert len(calls) == target.config.num_hidden_layers
     for got, want in ((a, _decoded(target, ctxs[0], chain)), (b, _decoded(target, ctxs[2], chain[:2]))):
         assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
     assert torch.equal(t[0], _decoded(target, ctxs[1], [])[0])
