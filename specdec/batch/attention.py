@@ -830,8 +830,7 @@ def _flat_plan(step: _Step, heads: int, kv_heads: int, dim: int, total: int, dty
         chain_masks.append(_float_mask(mask, dtype))
         s = torch.arange(len(tokens) * groups)
         spot = place[s]  # entry * R + row of the (query, head-in-group) row s
-        for j in range(kv_heads):
-            out[tokens[s // groups], j * groups + s % groups] = at + (spot // r * kv_heads + j) * r + spot % r
+        out[tokens[s // groups], kv[:, None] * groups + s % groups] = at + ((spot // r) * kv_heads + kv[:, None]) * r + spot % r
         at += b * kv_heads * r
     if step.chains and not chain_calls_agree(kv_heads, groups, dim, dtype, str(device)):
         return None  # each lone chain's queries attend as a ``_Group`` (``_chain_attention``)
@@ -842,8 +841,7 @@ def _flat_plan(step: _Step, heads: int, kv_heads: int, dim: int, total: int, dty
         chain_queries.append(flat(tokens[s // groups], kv[:, None] * groups + s % groups).flatten().to(device))
         chain_masks.append(_float_mask(mask, dtype))
         s = torch.arange(len(tokens) * groups)
-        for j in range(kv_heads):
-            out[tokens[s // groups], j * groups + s % groups] = at + j * r + s
+        out[tokens[s // groups], kv[:, None] * groups + s % groups] = at + kv[:, None] * r + s
         at += kv_heads * r
     if bool((out < 0).any()):
         return None

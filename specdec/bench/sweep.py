@@ -22,8 +22,9 @@ processes, and every millisecond those take stalls a parallel region of the step
 ``--peer URL`` sweeps another OpenAI-style server (llama.cpp's, say) through HTTP in the same
 turns as our modes, each level's turns alternating between them, so that the machine's drift
 (on a 2-core AMD EPYC with AVX-512 BF16, the demo target's 4-row plain step took 33-41 ms
-in most turns of one run and 61 ms in another) hits both alike: its row is named ``--peer-name``, and each of our rows
-carries ``vs_peer``, the median of its turns' ratios to the peer's turn beside it.
+in most turns of one run and 61 ms in another) hits both alike: its row is named
+``--peer-name``, and each of our rows carries ``vs_peer``, the median of its turns' ratios to
+the peer's turn beside it.
 
     specdec sweep --http --peer http://127.0.0.1:8080 --peer-name llama.cpp --repeats 4
 
@@ -274,12 +275,13 @@ def table(rows: list[dict], where: str) -> str:
         vs_off = f"{ratio:.2f}"
         if "vs_off" in r:  # paired turns: the median ratio and its range
             vs_off = f"{r['vs_off']:.2f} ({r['vs_off_range'][0]:.2f}-{r['vs_off_range'][1]:.2f})"
-        if peer:
-            low, high = r.get("vs_peer_range") or (None, None)
-            vs_off += " | -" if "vs_peer" not in r else f" | {r['vs_peer']:.2f}" + (
-                f" ({low:.2f}-{high:.2f})" if low != high else "")
+        vs_peer = "-"
+        if "vs_peer" in r:  # with one turn, the one ratio
+            low, high = r["vs_peer_range"]
+            vs_peer = f"{r['vs_peer']:.2f}" + (f" ({low:.2f}-{high:.2f})" if low != high else "")
         line = (f"| {r['mode']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | {vs_off} | "
-                f"{r['tpot_ms_p50']:.1f} / {r['tpot_ms_p95']:.1f} | {r['ttft_ms_p50']:.0f} / {r['ttft_ms_p95']:.0f} |")
+                + f"{vs_peer} | " * peer
+                + f"{r['tpot_ms_p50']:.1f} / {r['tpot_ms_p95']:.1f} | {r['ttft_ms_p50']:.0f} / {r['ttft_ms_p95']:.0f} |")
         if cpu:
             largest = list(r.get("cpu_ms_per_token", {}).items())[:4]
             line += " " + ", ".join(f"{name} {ms:.2f}" for name, ms in largest) + " |"
